@@ -1,0 +1,30 @@
+# The two set-up commands of the README: `make lab` (the main job) and `make test` (the whole suite).
+# Each creates .venv when it is missing. By default the venv gets the CPU build of torch from local disk.
+# GPU users keep their own CUDA torch:  make test VENV_FLAGS=--system-site-packages TORCH=
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+TORCH ?= torch==2.13.0 triton==3.6.0
+EXTRAS ?= dev,hf,browser
+PY := $(VENV)/bin/python
+
+.PHONY: lab test lint browser-deps clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(if $(strip $(TORCH)),$(PY) -m pip install -q $(TORCH))
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+lab: $(VENV)/.installed
+	$(PY) -m moelab.lab --out build
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n 2 --durations=15
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,18 @@
+"""moelab: learn, check and measure LoRA on Mixture-of-Experts layers.
+
+Everything users call is importable from here (SPEC §6). On a machine without a CUDA GPU, Triton kernels run
+in Triton's interpreter (set up by ``moelab._runtime`` before any kernel is defined).
+"""
+
+from moelab._runtime import set_debug  # noqa: I001  (first: configures the Triton interpreter)
+from moelab.backends import available_backends
+from moelab.moe import MoEWeights, prepare_weights, routed_moe
+from moelab.ops import finalize_with_w2_lora, unpermute_activation
+from moelab.packing import pack_topk_ids_weights, unpack_topk_ids_weights
+from moelab.routing import route
+
+__all__ = [
+    "available_backends", "finalize_with_w2_lora", "MoEWeights", "pack_topk_ids_weights", "prepare_weights",
+    "route", "routed_moe", "set_debug", "unpack_topk_ids_weights", "unpermute_activation",
+]
+__version__ = "0.1.0"

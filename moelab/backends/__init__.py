@@ -1,0 +1,43 @@
+"""Backend registry. Each backend module implements SPEC §3 for one engine and exposes:
+
+    unavailable_reason(device) -> str | None   why it cannot run on ``device`` (None: it can)
+    prepare(w13, w2) -> (gemm1_weights, gemm2_weights)   HF-order weights to its own layout
+    routed_moe(call: RoutedMoECall) -> RoutedMoEResult
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+#: Preference order of ``backend="auto"``: the fastest engine that runs here first.
+BACKENDS = ("flashinfer", "triton", "torch")
+
+
+def get_backend(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {name!r}")
+    return importlib.import_module(f"moelab.backends.{name}_backend")
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends that can run on ``device`` (default: the current CUDA device, else the CPU), fastest first."""
+    device = _default_device() if device is None else torch.device(device)
+    return [name for name in BACKENDS if get_backend(name).unavailable_reason(device) is None]
+
+
+def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
+    """``name`` if it can run on ``device`` ("auto": the first that can), else a ValueError naming one that can."""
+    device = _default_device() if device is None else torch.device(device)
+    if name == "auto":
+        return available_backends(device)[0]
+    reason = get_backend(name).unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"backend: {name!r} cannot run on {device}: {reason}; "
+                         f"use one of {available_backends(device)} (or 'auto')")
+    return name

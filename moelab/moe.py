@@ -1,0 +1,201 @@
+"""The routed-MoE contract (SPEC §3): ``prepare_weights`` and ``routed_moe``, dispatched to a backend.
+
+This module validates, decodes the routing and assembles FlashInfer's return table; the arithmetic lives in
+``moelab/backends/<name>.py``. Index arrays, by name:
+
+    topk_ids                      int32 [T, K]    global expert id of slot (t, k)
+    expert_weights                [T, K]          routing weight of slot (t, k) as the kernel uses it
+    expanded_idx_to_permuted_idx  int32 [T*K]     permuted row of expanded slot t*K+k, or -1 (non-local)
+    gemm1_activation_output       [R1, I]         SwiGLU output, permuted rows (index only through the map)
+    gemm2_output                  [R2, H]         unweighted expert output, permuted rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelab import _checks
+from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
+from moelab.backends import available_backends, get_backend, resolve_backend
+from moelab.packing import unpack_topk_ids_weights
+
+__all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "prepare_weights", "routed_moe",
+           "permuted_rows", "available_backends"]
+
+
+@dataclass
+class MoEWeights:
+    """Expert weights prepared for one backend (from :func:`prepare_weights`).
+
+    ``gemm1_weights`` / ``gemm2_weights`` are in the backend's own layout: HF order ``[E_local, 2I, H]`` /
+    ``[E_local, H, I]`` for torch and triton, BlockMajorK for flashinfer (SPEC §4).
+    """
+
+    backend: str
+    gemm1_weights: torch.Tensor
+    gemm2_weights: torch.Tensor
+    num_local_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gemm1_weights.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.gemm1_weights.device
+
+
+@dataclass
+class RoutedMoECall:
+    """A validated ``routed_moe`` call as a backend receives it."""
+
+    topk: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # exactly what the caller passed
+    topk_ids: torch.Tensor  # int32 [T, K], global ids
+    expert_weights: torch.Tensor  # [T, K]: bf16 decoded (packed input) or the caller's tensor (tuple input)
+    hidden_states: torch.Tensor  # [T, H]
+    weights: MoEWeights
+    num_experts: int
+    top_k: int
+    local_expert_offset: int
+    gemm1_lora_delta: torch.Tensor | None  # [T, K, 2I] [up, gate]
+    do_finalize: bool
+    output: torch.Tensor | None  # [T, H]
+
+
+@dataclass
+class RoutedMoEResult:
+    """What a backend computed; :func:`routed_moe` turns it into FlashInfer's return list."""
+
+    output: torch.Tensor | None
+    gemm2_output: torch.Tensor | None
+    expanded_idx_to_permuted_idx: torch.Tensor | None
+    gemm1_activation_output: torch.Tensor | None
+
+
+def permuted_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, width: int) -> int:
+    """Rows FlashInfer allocates for a permuted buffer of row width ``width`` (H for gemm2, I for gemm1).
+
+    ``Rmax = tile * (m + (T*K - m) // tile)`` with ``m = min(E, T*K)`` bounds the tile-padded live rows; the
+    ``ceil(65536 / width)`` floor comes from FlashInfer's 128 KiB minimum allocation.
+    """
+    slots = num_tokens * top_k
+    m = min(num_experts, slots)
+    r_max = tile * (m + (slots - m) // tile)
+    return max(r_max, -(-65536 // width))
+
+
+def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto") -> MoEWeights:
+    """Convert HF-order expert weights to ``backend``'s layout.
+
+    Args:
+        w13: [E_local, 2I, H], rows ``[gate; up]`` (Hugging Face / vLLM order); bf16, fp16 or fp32.
+        w2: [E_local, H, I], same dtype and device.
+        backend: "auto", "torch", "triton" or "flashinfer" (see :func:`available_backends`).
+
+    Example:
+        >>> w13, w2 = torch.randn(4, 64, 32), torch.randn(4, 32, 32)
+        >>> prepare_weights(w13, w2, backend="torch").intermediate_size
+        32
+    """
+    check_tensor("w13", w13, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor("w2", w2, dtypes=FLOAT_DTYPES, ndim=3)
+    E_local, two_i, H = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13: expected an even second dimension 2I, got {two_i}")
+    I = two_i // 2
+    check_tensor("w2", w2, shape=(E_local, H, I))
+    if w2.dtype != w13.dtype:
+        raise TypeError(f"w2: expected dtype {w13.dtype} (that of w13), got {w2.dtype}")
+    _checks.check_same_device(w13=w13, w2=w2)
+    name = resolve_backend(backend, w13.device)
+    g1, g2 = get_backend(name).prepare(w13, w2)
+    return MoEWeights(name, g1, g2, E_local, H, I)
+
+
+def routed_moe(topk, hidden_states: torch.Tensor, weights: MoEWeights, *, num_experts: int, top_k: int,
+               local_expert_offset: int = 0, gemm1_lora_delta: torch.Tensor | None = None,
+               do_finalize: bool = True, output: torch.Tensor | None = None,
+               validate: bool = True) -> list[torch.Tensor]:
+    """FlashInfer's ``trtllm_bf16_routed_moe`` contract on any backend (SPEC §3).
+
+    Args:
+        topk: packed int32 [T, K] (see :func:`moelab.pack_topk_ids_weights`) or ``(ids int [T,K], weights [T,K])``.
+        hidden_states: [T, H], the dtype of ``weights``.
+        weights: from :func:`prepare_weights` (local experts only).
+        num_experts: global E; ``top_k``: K.
+        local_expert_offset: first global id of this rank's window ``[offset, offset + E_local)``.
+        gemm1_lora_delta: [T, K, 2I] in **[up, gate]** order, the input dtype, added before SwiGLU, unweighted.
+        do_finalize: reduce over top-k into ``output`` (True) or return the permuted, unfinalized tensors.
+        output: [T, H], written in place and returned when ``do_finalize``.
+        validate: read ids on the device to reject out-of-range or duplicate ids (a host sync). Pass False
+            under CUDA-graph capture and in benchmarks.
+
+    Returns (always a list):
+        finalize, no delta:  ``[output]``
+        finalize, delta:     ``[output, expanded_idx_to_permuted_idx, gemm1_activation_output]``
+        no finalize:         ``[gemm2_output, expert_weights, expanded_idx_to_permuted_idx]``,
+                             plus ``gemm1_activation_output`` when a delta is given
+
+    Example:
+        >>> w = prepare_weights(torch.randn(4, 64, 32), torch.randn(4, 32, 32), backend="torch")
+        >>> x = torch.randn(3, 32); ids = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32)
+        >>> routed_moe((ids, torch.rand(3, 2)), x, w, num_experts=4, top_k=2)[0].shape
+        torch.Size([3, 32])
+    """
+    call = _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
+                     do_finalize, output, validate)
+    result = get_backend(weights.backend).routed_moe(call)
+    if do_finalize:
+        if gemm1_lora_delta is None:
+            return [result.output]
+        return [result.output, result.expanded_idx_to_permuted_idx, result.gemm1_activation_output]
+    outs = [result.gemm2_output, call.expert_weights, result.expanded_idx_to_permuted_idx]
+    if gemm1_lora_delta is not None:
+        outs.append(result.gemm1_activation_output)
+    return outs
+
+
+def _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
+              do_finalize, output, validate) -> RoutedMoECall:
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights: expected MoEWeights from prepare_weights(), got {type(weights).__name__}")
+    E_local, H, I = weights.num_local_experts, weights.hidden_size, weights.intermediate_size
+    check_int("num_experts", num_experts, low=1, high=_checks.MAX_EXPERTS)
+    check_int("top_k", top_k, low=1, high=num_experts)
+    check_int("local_expert_offset", local_expert_offset, low=0, high=num_experts - E_local)
+    if E_local > num_experts:
+        raise ValueError(f"weights: expected at most num_experts={num_experts} local experts, got {E_local}")
+    check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
+    if hidden_states.dtype != weights.dtype:
+        raise TypeError(f"hidden_states: expected dtype {weights.dtype} (that of the weights), "
+                        f"got {hidden_states.dtype}")
+    T = hidden_states.shape[0]
+    check_tensor("hidden_states", hidden_states, shape=(None, H))
+    if isinstance(topk, tuple):
+        if len(topk) != 2:
+            raise ValueError(f"topk: expected (ids, weights), got a tuple of {len(topk)}")
+        ids, expert_weights = topk
+        check_tensor("topk[0] (ids)", ids, dtypes=INT_DTYPES, shape=(T, top_k))
+        check_tensor("topk[1] (weights)", expert_weights, dtypes=FLOAT_DTYPES, shape=(T, top_k))
+        ids = ids.to(torch.int32)
+    else:
+        check_tensor("topk", topk, dtypes=(torch.int32,), shape=(T, top_k))
+        ids, expert_weights = unpack_topk_ids_weights(topk)
+    if validate:
+        _checks.check_expert_ids("topk (expert ids)", ids, num_experts)
+    if gemm1_lora_delta is not None:
+        check_tensor("gemm1_lora_delta", gemm1_lora_delta, dtypes=(weights.dtype,), shape=(T, top_k, 2 * I))
+        _checks.check_contiguous("gemm1_lora_delta", gemm1_lora_delta)
+    if output is not None:
+        if not do_finalize:
+            raise ValueError("output: only written when do_finalize=True; pass output=None")
+        check_tensor("output", output, dtypes=(weights.dtype,), shape=(T, H))
+        _checks.check_contiguous("output", output)
+    _checks.check_same_device(weights=weights.gemm1_weights, hidden_states=hidden_states, topk_ids=ids,
+                              expert_weights=expert_weights, gemm1_lora_delta=gemm1_lora_delta, output=output)
+    return RoutedMoECall(topk, ids.contiguous(), expert_weights, hidden_states.contiguous(), weights,
+                         num_experts, top_k, local_expert_offset, gemm1_lora_delta, do_finalize, output)

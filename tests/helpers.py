@@ -1,0 +1,52 @@
+"""Shared checks: relative error against the float64 reference, poisoning, random routing."""
+
+from __future__ import annotations
+
+import torch
+
+#: ||out - ref|| / ||ref|| bounds against the float64 reference (SPEC §7). bf16 keeps 8 bits of mantissa
+#: (rounding 2^-9 ~ 2e-3 per element, a few roundings per path: ~3e-3 typical); fp16 keeps 11 bits;
+#: fp32 paths accumulate in fp32 (~1e-7 per op) and stay far under 1e-5.
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf (NaN never passes)."""
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    if torch.isnan(out64).any() or torch.isnan(ref64).any():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> float:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = rel_err(out, ref)
+    assert err < REL_TOL[dtype], f"{what}: rel err {err:.2e} >= {REL_TOL[dtype]:.0e} ({dtype})"
+    return err
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) or a sentinel (ints) so an unwritten element fails loudly."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-12345)
+
+
+def random_topk_ids(T: int, K: int, E: int, *, generator=None, device="cpu") -> torch.Tensor:
+    """int32 [T, K]: K distinct experts per token, uniformly chosen."""
+    scores = torch.rand(T, E, generator=generator)
+    return scores.topk(K, dim=1).indices.to(torch.int32).to(device)
+
+
+def random_weights(T: int, K: int, *, generator=None, device="cpu") -> torch.Tensor:
+    """fp32 [T, K] routing weights, positive, not normalised (the kernel applies no routing math)."""
+    return (torch.rand(T, K, generator=generator) + 0.1).to(device)
+
+
+def random_experts(E: int, H: int, I: int, dtype, *, device="cpu", scale: float = 1.0):
+    """HF-order w13 [E, 2I, H] and w2 [E, H, I], scaled so activations stay O(1)."""
+    w13 = (torch.randn(E, 2 * I, H) * scale / H**0.5).to(dtype).to(device)
+    w2 = (torch.randn(E, H, I) * scale / I**0.5).to(dtype).to(device)
+    return w13, w2
