@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
-TORCH ?= torch==2.13.0 triton==3.6.0
+TORCH ?= torch==2.13.0 triton==3.9.0
 EXTRAS ?= dev,hf,browser
 PY := $(VENV)/bin/python
 

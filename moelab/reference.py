@@ -121,9 +121,9 @@ def route(router_logits, top_k, method="renormalize", *, n_group=None, topk_grou
             raise ValueError(f"method: unknown routing method {method!r}")
         all_w.append([v * routed_scaling_factor for v in w])
         all_ids.append(ids)
-    T = len(logits)
-    return (torch.tensor(all_w, dtype=torch.float64).reshape(T, -1),
-            torch.tensor(all_ids, dtype=torch.int32).reshape(T, -1))
+    T, K = len(logits), (1 if method == "llama4" else top_k)
+    return (torch.tensor(all_w, dtype=torch.float64).reshape(T, K),
+            torch.tensor(all_ids, dtype=torch.int32).reshape(T, K))
 
 
 # ---------------------------------------------------------------------------------------------- routed MoE

@@ -1,0 +1,98 @@
+"""Backend "triton": the routed-MoE contract with moelab's own Triton kernels (any CUDA GPU; CPU through the
+interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), no alignment requirement.
+
+Pipeline (launches): segments by local expert (torch sort + scans) -> GEMM1 + LoRA delta + SwiGLU ->
+GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M, so a tile never mixes experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moelab import _runtime
+from moelab.kernels.finalize import finalize_triton
+from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel
+from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.permutation import build_segments, local_expert_of_slot
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if not _runtime.HAS_TRITON:
+        return "the triton package is not installed"
+    if device.type == "cuda" or (device.type == "cpu" and _runtime.INTERPRET):
+        return None
+    return f"Triton runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; got {device.type}"
+
+
+def prepare(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return w13.contiguous(), w2.contiguous()  # HF order is the kernels' own layout
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # = the tile of the permuted space
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(num_tokens: int, top_k: int, num_local_experts: int) -> GemmConfig:
+    """Tile sizes by rows per expert. Decode is weight-bandwidth bound: small BLOCK_M, narrow BLOCK_N for many
+    programs streaming weights; prefill is compute bound: big tiles for tensor-core reuse."""
+    if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
+        return GemmConfig(16, 32, 32, 4, 1)
+    rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 64, 128, 4, 4)
+    if rows_per_expert <= 64:
+        return GemmConfig(32, 64, 128, 4, 4)
+    if rows_per_expert <= 256:
+        return GemmConfig(64, 128, 64, 4, 4)
+    return GemmConfig(128, 128, 64, 8, 4)
+
+
+def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast dot operands to fp32, input precision). fp32 inputs use exact 'ieee' so fp32 paths meet 1e-5."""
+    return _runtime.INTERPRET or dtype == torch.float32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedMoEResult:
+    x, W = call.hidden_states, call.weights
+    T, K = call.topk_ids.shape
+    E_local, H, I = W.num_local_experts, W.hidden_size, W.intermediate_size
+    cfg = config or choose_config(T, K, E_local)
+    seg = build_segments(local_expert_of_slot(call.topk_ids, call.local_expert_offset), E_local, cfg.block_m)
+    R1 = permuted_rows(T, K, call.num_experts, cfg.block_m, I)
+    R2 = permuted_rows(T, K, call.num_experts, cfg.block_m, H)
+    act = torch.empty(R1, I, dtype=x.dtype, device=x.device)
+    gemm2 = torch.empty(R2, H, dtype=x.dtype, device=x.device)
+    dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
+    dot_f32, precision = _dot_flags(x.dtype)
+    live_blocks = seg.block_group.numel()
+    delta = call.gemm1_lora_delta
+    _gemm1_swiglu_kernel[(triton.cdiv(R1, cfg.block_m) * triton.cdiv(I, cfg.block_n),)](
+        x, W.gemm1_weights, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
+        live_blocks, R1, H, I, K,
+        x.stride(0), W.gemm1_weights.stride(0), W.gemm1_weights.stride(1), 2 * I if delta is not None else 0,
+        act.stride(0),
+        HAS_DELTA=delta is not None, DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _gemm2_kernel[(triton.cdiv(R2, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
+        act, W.gemm2_weights, gemm2, seg.block_group,
+        live_blocks, R2, H, I,
+        act.stride(0), W.gemm2_weights.stride(0), W.gemm2_weights.stride(1), gemm2.stride(0),
+        DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    output = None
+    if call.do_finalize:
+        output = call.output if call.output is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
+        finalize_triton(output, gemm2, call.expert_weights, seg.slot_to_row, None)
+    return RoutedMoEResult(output, gemm2, seg.slot_to_row, act)

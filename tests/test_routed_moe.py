@@ -1,0 +1,264 @@
+"""The routed-MoE contract (SPEC §3) on the torch and triton backends against the float64 reference.
+
+On a CPU the triton backend runs in Triton's interpreter; on the lent H200 the same tests run compiled.
+Permuted tensors are compared only through ``expanded_idx_to_permuted_idx``, never row by row.
+"""
+
+import pytest
+import torch
+from helpers import REL_TOL, assert_close_to_reference, poison, random_experts, random_topk_ids, random_weights, rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+
+import moelab
+from moelab import reference
+
+BACKENDS = ["torch", "triton"]
+
+
+def make_problem(T, K, E, H, I, dtype, device, *, seed=0, E_local=None, offset=0):
+    g = torch.Generator().manual_seed(seed)
+    E_local = E if E_local is None else E_local
+    w13, w2 = random_experts(E_local, H, I, dtype, device=device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    ids = random_topk_ids(T, K, E, generator=g, device=device)
+    w = random_weights(T, K, generator=g, device=device)
+    return x, ids, w, w13, w2
+
+
+def check_map_invariants(e2p, ids, offset, E_local):
+    """-1 exactly for non-local slots; distinct rows; one contiguous, tile-aligned, token-ascending run per
+    local expert, runs in ascending expert order."""
+    e2p, local_e = e2p.cpu().long(), ids.flatten().cpu().long() - offset
+    is_local = (local_e >= 0) & (local_e < E_local)
+    assert e2p.dtype == torch.long and e2p.dim() == 1 and e2p.numel() == ids.numel()
+    assert torch.equal(e2p < 0, ~is_local) and bool((e2p[~is_local] == -1).all())
+    rows = e2p[is_local]
+    assert rows.unique().numel() == rows.numel(), "two slots share a permuted row"
+    previous_end = 0
+    for e in range(E_local):
+        r = e2p[local_e == e]  # in slot order = token order
+        if r.numel() == 0:
+            continue
+        assert r[0] >= previous_end and r[0] % 8 == 0, "segment not in expert order or not tile aligned"
+        assert torch.equal(r, torch.arange(r[0], r[0] + r.numel())), "segment not contiguous token-ascending"
+        previous_end = int(r[-1]) + 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "T, K, E, H, I",
+    [
+        (1, 2, 8, 32, 32),  # decode: one token, most experts empty
+        (13, 4, 8, 48, 40),  # odd H and I: masked K loop and masked columns
+        (64, 8, 64, 32, 16),  # the test range's corner: T=64, E=64, K=8, many tiles
+        (6, 6, 6, 16, 24),  # K == E: every token touches every expert
+    ],
+)
+def test_finalized_output_matches_reference(backend, dtype, T, K, E, H, I, device):
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, dtype, device)
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    out = poison(torch.empty(T, H, dtype=dtype, device=device))
+    result = moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, output=out)
+    assert isinstance(result, list) and len(result) == 1 and result[0] is out
+    ref = reference.routed_moe(ids, reference.unpack_topk_ids_weights(packed)[1], x, w13, w2)
+    assert_close_to_reference(out, ref["output"], dtype, f"{backend} output")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_delta", [False, True])  # the four-way return table: 2 x do_finalize, 2 x delta
+@pytest.mark.parametrize("do_finalize", [True, False])
+@pytest.mark.parametrize("packed", [True, False])  # packed int32 words, or the (ids, weights) tuple
+def test_return_table(backend, with_delta, do_finalize, packed, device):
+    T, K, E, H, I, dtype = 9, 3, 8, 32, 24, torch.bfloat16
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, dtype, device, seed=1)
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    delta = (torch.randn(T, K, 2 * I) * 0.5).to(dtype).to(device) if with_delta else None
+    topk = moelab.pack_topk_ids_weights(ids, w) if packed else (ids, w)
+    result = moelab.routed_moe(topk, x, weights, num_experts=E, top_k=K, gemm1_lora_delta=delta,
+                               do_finalize=do_finalize)
+    w_used = reference.unpack_topk_ids_weights(topk)[1] if packed else w
+    ref = reference.routed_moe(ids, w_used, x, w13, w2, gemm1_lora_delta=delta)
+    act = None
+    if do_finalize and not with_delta:
+        (out,) = result
+    elif do_finalize:
+        out, e2p, act = result
+    else:
+        assert len(result) == (4 if with_delta else 3)
+        gemm2, expert_weights, e2p = result[:3]
+        if packed:
+            assert expert_weights.dtype == torch.bfloat16
+            assert torch.equal(expert_weights.cpu().double(), w_used)
+        else:
+            assert expert_weights is w  # the caller's own tensor object
+        check_map_invariants(e2p, ids, 0, E)
+        assert e2p.dtype == torch.int32
+        assert_close_to_reference(gemm2[e2p.long()], ref["gemm2"], dtype, "gemm2 through the map")
+        act = result[3] if with_delta else None
+    if do_finalize:
+        assert_close_to_reference(out, ref["output"], dtype, "output")
+    if act is not None:
+        assert act.shape[1] == I
+        unpermuted = moelab.unpermute_activation(act, e2p, T, K)
+        assert_close_to_reference(unpermuted, ref["act"], dtype, "gemm1_activation_output through the map")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(T=st.integers(0, 24), E=st.integers(1, 12), H=st.integers(1, 40), I=st.integers(1, 40),
+       k_frac=st.floats(0, 1), seed=st.integers(0, 1000))
+def test_property_shapes(backend, T, E, H, I, k_frac, seed):
+    K = max(1, round(k_frac * E))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device, seed=seed)
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    gemm2, _, e2p = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K, do_finalize=False)
+    check_map_invariants(e2p, ids, 0, E)
+    out = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K)[0]
+    ref = reference.routed_moe(ids, w, x, w13, w2)
+    assert out.shape == (T, H)
+    if T > 0:
+        assert rel_err(out, ref["output"]) < REL_TOL[torch.float32]
+        assert rel_err(gemm2[e2p.long()], ref["gemm2"]) < REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permuted_buffer_sizes_follow_flashinfer(backend, device):
+    # R2 = max(Rmax, ceil(65536/H)), R1 = max(Rmax, ceil(65536/I)): with tiny H and I the floors win.
+    T, K, E, H, I = 3, 2, 4, 16, 32
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    gemm2, _, e2p, act = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K, do_finalize=False,
+                                           gemm1_lora_delta=torch.zeros(T, K, 2 * I, device=device))
+    assert gemm2.shape == (65536 // H, H) and act.shape == (65536 // I, I)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_rows_zero_or_nan_in_debug(backend, device):
+    T, K, E, H, I = 5, 2, 4, 16, 16
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    for debug, check in ((False, lambda t: bool((t == 0).all())), (True, lambda t: bool(t.isnan().all()))):
+        moelab.set_debug(debug)
+        try:
+            gemm2, _, e2p = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K, do_finalize=False)
+        finally:
+            moelab.set_debug(False)
+        dead = torch.ones(gemm2.shape[0], dtype=torch.bool)
+        dead[e2p.long().cpu()] = False
+        assert dead.any() and check(gemm2[dead.to(gemm2.device)])
+        assert not gemm2[e2p.long()].isnan().any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("E_local", [1, 3, 4])  # one expert per rank; uneven split of 8; two ranks of 4
+def test_expert_parallel_windows_sum_to_single_rank(backend, E_local, device):
+    T, K, E, H, I, dtype = 11, 3, 8, 32, 24, torch.float32
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, dtype, device, seed=3)
+    full = reference.routed_moe(ids, w, x, w13, w2)["output"]
+    total = torch.zeros(T, H, dtype=torch.float64)
+    for offset in range(0, E, E_local):
+        n = min(E_local, E - offset)
+        weights = moelab.prepare_weights(w13[offset:offset + n], w2[offset:offset + n], backend=backend)
+        out, e2p, _ = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K,
+                                        local_expert_offset=offset,
+                                        gemm1_lora_delta=torch.zeros(T, K, 2 * I, device=device))
+        check_map_invariants(e2p, ids, offset, n)
+        part = reference.routed_moe(ids, w, x, w13[offset:offset + n], w2[offset:offset + n],
+                                    local_expert_offset=offset)["output"]
+        assert_close_to_reference(out, part, dtype, f"partial output, window at {offset}")
+        total += out.double().cpu()
+    assert_close_to_reference(total, full, dtype, "sum of the windows")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_without_local_slot_gets_zero_row(backend, device):
+    T, K, E, H, I = 4, 2, 8, 16, 16
+    x, _, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
+    ids = torch.tensor([[0, 1], [6, 7], [1, 6], [7, 5]], dtype=torch.int32, device=device)  # window [0, 4)
+    weights = moelab.prepare_weights(w13[:4], w2[:4], backend=backend)
+    out = poison(torch.empty(T, H, device=device))
+    moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K, output=out)
+    assert bool((out[1] == 0).all()) and bool((out[3] == 0).all()) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_tokens(backend, device):
+    x, ids, w, w13, w2 = make_problem(0, 2, 4, 16, 16, torch.bfloat16, device)
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    (out,) = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, weights, num_experts=4, top_k=2)
+    assert out.shape == (0, 16)
+    gemm2, ew, e2p = moelab.routed_moe((ids, w), x, weights, num_experts=4, top_k=2, do_finalize=False)
+    assert e2p.shape == (0,) and ew.shape == (0, 2)
+
+
+def test_backends_agree_bit_for_bit_on_fp32_maps(device):
+    # Both backends build the same deterministic map (token-ascending segments) for the same tile.
+    from moelab.permutation import build_segments, expanded_to_permuted_torch
+    ids = random_topk_ids(40, 4, 16, device=device)
+    seg = build_segments(ids.flatten().long(), 16, 16)
+    assert torch.equal(seg.slot_to_row, expanded_to_permuted_torch(ids, 0, 16, 16))
+    rows = seg.slot_to_row.long()
+    assert torch.equal(seg.row_to_slot[rows].long(), torch.arange(ids.numel(), device=device))
+
+
+def test_available_backends_and_auto(device):
+    names = moelab.available_backends()
+    assert names[-1] == "torch" and "torch" in names
+    assert ("triton" in names) == (moelab._runtime.HAS_TRITON)
+    w13, w2 = random_experts(2, 16, 16, torch.float32, device=device)
+    assert moelab.prepare_weights(w13, w2).backend == names[0]  # "auto" = fastest that runs here
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="flashinfer.*cannot run.*use one of"):
+            moelab.prepare_weights(w13.bfloat16(), w2.bfloat16(), backend="flashinfer")
+
+
+def _bad_call_cases():
+    T, K, E, H, I = 4, 2, 8, 16, 16
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, "cpu")
+    W = lambda: moelab.prepare_weights(w13, w2, backend="torch")  # noqa: E731
+    dup = ids.clone()
+    dup[1, 1] = dup[1, 0]
+    big = ids.clone()
+    big[0, 0] = E
+    return [
+        # (what, callable, error, match)
+        ("dtype mismatch", lambda: moelab.routed_moe((ids, w), x.bfloat16(), W(), num_experts=E, top_k=K),
+         TypeError, "hidden_states.*dtype"),
+        ("id == E", lambda: moelab.routed_moe((big, w), x, W(), num_experts=E, top_k=K), ValueError, r"\[0, 8\)"),
+        ("duplicate ids", lambda: moelab.routed_moe((dup, w), x, W(), num_experts=E, top_k=K), ValueError,
+         "distinct"),
+        ("E > 32767", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=40000, top_k=K), ValueError,
+         "num_experts"),
+        ("window past E", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=E, top_k=K,
+                                                    local_expert_offset=1), ValueError, "local_expert_offset"),
+        ("delta shape", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=E, top_k=K,
+                                                  gemm1_lora_delta=torch.zeros(T, K, I)), ValueError,
+         "gemm1_lora_delta.*shape"),
+        ("K > E", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=1, top_k=K), ValueError, "top_k"),
+        ("topk shape", lambda: moelab.routed_moe((ids[:, :1], w), x, W(), num_experts=E, top_k=K), ValueError,
+         "topk.*shape"),
+        ("packed dtype", lambda: moelab.routed_moe(ids.long(), x, W(), num_experts=E, top_k=K), TypeError,
+         "topk.*int32"),
+        ("H mismatch", lambda: moelab.routed_moe((ids, w), x[:, :8], W(), num_experts=E, top_k=K), ValueError,
+         "hidden_states.*shape"),
+        ("weights type", lambda: moelab.routed_moe((ids, w), x, w13, num_experts=E, top_k=K), TypeError,
+         "weights.*MoEWeights"),
+        ("output w/o finalize", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=E, top_k=K,
+                                                          do_finalize=False, output=torch.empty(T, H)),
+         ValueError, "output"),
+        ("non-contiguous output", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=E, top_k=K,
+                                                            output=torch.empty(H, T).t()), ValueError,
+         "output.*contiguous"),
+        ("unknown backend", lambda: moelab.prepare_weights(w13, w2, backend="cutlass"), ValueError, "backend"),
+        ("w2 shape", lambda: moelab.prepare_weights(w13, w2[:, :, :3], backend="torch"), ValueError, "w2.*shape"),
+        ("w2 dtype", lambda: moelab.prepare_weights(w13, w2.half(), backend="torch"), TypeError, "w2.*dtype"),
+    ]
+
+
+@pytest.mark.parametrize("what, call, error, match", _bad_call_cases(), ids=lambda c: c if isinstance(c, str) else "")
+def test_bad_input_raises_clear_error(what, call, error, match):
+    with pytest.raises(error, match=match):
+        call()
