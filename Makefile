@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 TORCH ?= torch==2.13.0 triton==3.9.0
-EXTRAS ?= dev,hf,browser
+EXTRAS ?= dev,hf,browser,flashinfer
 PY := $(VENV)/bin/python
 
 .PHONY: lab test lint browser-deps clean
@@ -13,7 +13,8 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(if $(strip $(TORCH)),$(PY) -m pip install -q $(TORCH))
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# Name the torch already installed, so no extra can swap it for another (CUDA) build.
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]" "$$($(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
 	touch $@
 
 lab: $(VENV)/.installed

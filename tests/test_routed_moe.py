@@ -262,3 +262,43 @@ def _bad_call_cases():
 def test_bad_input_raises_clear_error(what, call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_triton_routed_moe_under_torch_compile(device):
+    # The pipeline is one registered custom op with a fake implementation: dynamo traces it with fake tensors.
+    if "triton" not in moelab.available_backends(device):
+        pytest.skip("no triton on this machine")
+    T, K, E, H, I = 6, 2, 4, 32, 16
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
+    weights = moelab.prepare_weights(w13, w2, backend="triton")
+
+    def layer(x, packed):
+        return moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)[0]
+
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    compiled = torch.compile(layer, backend="aot_eager" if device.type == "cpu" else "inductor", fullgraph=True)
+    assert_close_to_reference(compiled(x, packed), reference.routed_moe(ids, reference.unpack_topk_ids_weights(
+        packed)[1], x, w13, w2)["output"], torch.float32, "compiled routed_moe")
+    torch.library.opcheck(torch.ops.moelab.triton_routed_moe.default,
+                          (ids, w, x, w13, w2, E, 0, None, True), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
+def test_triton_routed_moe_cuda_graph_capture_and_replay():
+    T, K, E, H, I, device = 16, 4, 8, 64, 32, "cuda"
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.bfloat16, device)
+    weights = moelab.prepare_weights(w13, w2, backend="triton")
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=device)
+    moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, output=out, validate=False)  # warm-up/compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, output=out, validate=False)
+    x2, ids2, w2_, _, _ = make_problem(T, K, E, H, I, torch.bfloat16, device, seed=7)
+    x.copy_(x2)
+    packed.copy_(moelab.pack_topk_ids_weights(ids2, w2_))
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.routed_moe(ids2, reference.unpack_topk_ids_weights(packed)[1], x2, w13, w2)["output"]
+    assert_close_to_reference(out, ref, torch.bfloat16, "replayed graph")

@@ -15,10 +15,15 @@ import torch
 BACKENDS = ("flashinfer", "triton", "torch")
 
 
+_loaded: dict[str, object] = {}  # imported once, then a plain dict lookup (torch.compile traces that)
+
+
 def get_backend(name: str):
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {name!r}")
-    return importlib.import_module(f"moelab.backends.{name}_backend")
+    if name not in _loaded:
+        _loaded[name] = importlib.import_module(f"moelab.backends.{name}_backend")
+    return _loaded[name]
 
 
 def _default_device() -> torch.device:

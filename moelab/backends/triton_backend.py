@@ -60,39 +60,80 @@ def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return _runtime.INTERPRET or dtype == torch.float32, "ieee" if dtype == torch.float32 else "tf32"
 
 
-def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedMoEResult:
-    x, W = call.hidden_states, call.weights
-    T, K = call.topk_ids.shape
-    E_local, H, I = W.num_local_experts, W.hidden_size, W.intermediate_size
+def _pipeline(topk_ids: torch.Tensor, expert_weights: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
+              do_finalize: bool, output: torch.Tensor | None = None,
+              config: GemmConfig | None = None) -> tuple[torch.Tensor, ...]:
+    """Segments -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act)."""
+    T, K = topk_ids.shape
+    E_local, two_i, H = w13.shape
+    I = two_i // 2
     cfg = config or choose_config(T, K, E_local)
-    seg = build_segments(local_expert_of_slot(call.topk_ids, call.local_expert_offset), E_local, cfg.block_m)
-    R1 = permuted_rows(T, K, call.num_experts, cfg.block_m, I)
-    R2 = permuted_rows(T, K, call.num_experts, cfg.block_m, H)
+    seg = build_segments(local_expert_of_slot(topk_ids, local_expert_offset), E_local, cfg.block_m)
+    R1 = permuted_rows(T, K, num_experts, cfg.block_m, I)
+    R2 = permuted_rows(T, K, num_experts, cfg.block_m, H)
     act = torch.empty(R1, I, dtype=x.dtype, device=x.device)
     gemm2 = torch.empty(R2, H, dtype=x.dtype, device=x.device)
     dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
     dot_f32, precision = _dot_flags(x.dtype)
     live_blocks = seg.block_group.numel()
-    delta = call.gemm1_lora_delta
     _gemm1_swiglu_kernel[(triton.cdiv(R1, cfg.block_m) * triton.cdiv(I, cfg.block_n),)](
-        x, W.gemm1_weights, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
+        x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, R1, H, I, K,
-        x.stride(0), W.gemm1_weights.stride(0), W.gemm1_weights.stride(1), 2 * I if delta is not None else 0,
-        act.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), 2 * I if delta is not None else 0, act.stride(0),
         HAS_DELTA=delta is not None, DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _gemm2_kernel[(triton.cdiv(R2, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
-        act, W.gemm2_weights, gemm2, seg.block_group,
+        act, w2, gemm2, seg.block_group,
         live_blocks, R2, H, I,
-        act.stride(0), W.gemm2_weights.stride(0), W.gemm2_weights.stride(1), gemm2.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), gemm2.stride(0),
         DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    output = None
-    if call.do_finalize:
-        output = call.output if call.output is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
-        finalize_triton(output, gemm2, call.expert_weights, seg.slot_to_row, None)
-    return RoutedMoEResult(output, gemm2, seg.slot_to_row, act)
+    if do_finalize:
+        if output is None:
+            output = torch.empty(T, H, dtype=x.dtype, device=x.device)
+        finalize_triton(output, gemm2, expert_weights, seg.slot_to_row, None)
+    else:
+        output = x.new_empty(T, 0)  # FlashInfer's placeholder when nothing is finalized
+    return output, gemm2, seg.slot_to_row, act
+
+
+@torch.library.custom_op("moelab::triton_routed_moe", mutates_args=())
+def _routed_moe_op(topk_ids: torch.Tensor, expert_weights: torch.Tensor, hidden_states: torch.Tensor,
+                   w13: torch.Tensor, w2: torch.Tensor, num_experts: int, local_expert_offset: int,
+                   gemm1_lora_delta: torch.Tensor | None, do_finalize: bool) -> list[torch.Tensor]:
+    """The whole pipeline as one opaque op, so torch.compile traces through it (see :func:`routed_moe`)."""
+    return list(_pipeline(topk_ids, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
+                          gemm1_lora_delta, do_finalize))
+
+
+@_routed_moe_op.register_fake
+def _routed_moe_fake(topk_ids, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
+                     gemm1_lora_delta, do_finalize):
+    T, K = topk_ids.shape
+    E_local, two_i, H = w13.shape
+    tile = choose_config(T, K, E_local).block_m
+    x = hidden_states
+    return [x.new_empty(T, H if do_finalize else 0),
+            x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
+            topk_ids.new_empty(T * K, dtype=torch.int32),
+            x.new_empty(permuted_rows(T, K, num_experts, tile, two_i // 2), two_i // 2)]
+
+
+def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedMoEResult:
+    """Eager calls run the pipeline directly (no dispatcher overhead, ``output`` written in place); under
+    ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``."""
+    W = call.weights
+    args = (call.topk_ids, call.expert_weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
+            call.num_experts, call.local_expert_offset, call.gemm1_lora_delta, call.do_finalize)
+    if torch.compiler.is_compiling():
+        output, gemm2, e2p, act = _routed_moe_op(*args)
+        if call.output is not None:
+            output = call.output.copy_(output)
+    else:
+        output, gemm2, e2p, act = _pipeline(*args, output=call.output, config=config)
+    return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
