@@ -29,3 +29,7 @@ lint: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build
+
+# System packages the browser test needs (Debian's Chromium, driven by Playwright; no browser download).
+browser-deps:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
