@@ -6,13 +6,16 @@ in Triton's interpreter (set up by ``moelab._runtime`` before any kernel is defi
 
 from moelab._runtime import set_debug  # noqa: I001  (first: configures the Triton interpreter)
 from moelab.backends import available_backends
+from moelab.experts import LoRAExperts
+from moelab.lora import LoRABank, lora_scaling, w2_lora_delta, w13_lora_delta
 from moelab.moe import MoEWeights, prepare_weights, routed_moe
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
 from moelab.packing import pack_topk_ids_weights, unpack_topk_ids_weights
 from moelab.routing import route
 
 __all__ = [
-    "available_backends", "finalize_with_w2_lora", "MoEWeights", "pack_topk_ids_weights", "prepare_weights",
+    "available_backends", "finalize_with_w2_lora", "LoRABank", "LoRAExperts", "lora_scaling", "w13_lora_delta",
+    "w2_lora_delta", "MoEWeights", "pack_topk_ids_weights", "prepare_weights",
     "route", "routed_moe", "set_debug", "unpack_topk_ids_weights", "unpermute_activation",
 ]
 __version__ = "0.1.0"

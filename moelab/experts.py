@@ -1,0 +1,101 @@
+"""``LoRAExperts``: vLLM's ``TrtLlmBf16LoRAExperts.apply`` flow as an ``nn.Module`` on every backend (SPEC §5).
+
+    pack routing -> [fast path: no token has an adapter -> finalized base MoE straight into ``output``]
+    W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
+    -> unpermute act to [T*K, I] (non-local rows zero) -> W2 delta [T,K,H], weighted -> one fused finalize
+
+The base term uses the bf16 weights packing produces; the W2 LoRA term the caller's weights (as vLLM does).
+A token without an adapter comes out bit-for-bit as the base path computes it (torch and triton backends):
+its delta rows are exact zeros, the GEMMs run the same tiles, and the finalize finishes the base sum before
+it adds the (zero) LoRA sum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelab._checks import INT_DTYPES, check_tensor
+from moelab.lora import LoRABank, lora_segments, w2_lora_delta, w13_lora_delta
+from moelab.moe import prepare_weights, routed_moe
+from moelab.ops import finalize_with_w2_lora, unpermute_activation
+from moelab.packing import pack_topk_ids_weights
+
+__all__ = ["LoRAExperts"]
+
+
+class LoRAExperts(nn.Module):
+    """Routed experts with multi-adapter LoRA, FlashInfer's contract on any backend.
+
+    Args:
+        w13: [E_local, 2I, H] HF order (rows [gate; up]); w2: [E_local, H, I]; bf16 (any backend) or
+            fp16/fp32 (torch and triton backends).
+        num_experts: global E; top_k: K; local_expert_offset: this rank's first expert (expert parallel).
+        lora: a :class:`moelab.LoRABank` over the same local experts, or None (base MoE only).
+        backend: "auto", "flashinfer", "triton" or "torch".
+
+    Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
+    -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
+
+    The fast path (no adapter anywhere in the batch) is decided on the host without reading the device:
+    from ``has_lora=`` when given, else from ``lora_ids`` when it lives on the CPU (it is then copied to the
+    device), else the LoRA path runs (its base tokens are exact anyway). Under CUDA graphs the branch is fixed
+    at capture time; pass ``validate=False`` there (it skips the host-syncing id checks).
+
+    Example:
+        >>> E, K, H, I = 4, 2, 32, 16
+        >>> experts = LoRAExperts(torch.randn(E, 2 * I, H), torch.randn(E, H, I), num_experts=E, top_k=K,
+        ...                       backend="torch")
+        >>> ids = torch.tensor([[0, 1], [2, 3]]); w = torch.rand(2, 2)
+        >>> experts(torch.randn(2, H), w, ids, None).shape
+        torch.Size([2, 32])
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, num_experts: int, top_k: int,
+                 local_expert_offset: int = 0, lora: LoRABank | None = None, backend: str = "auto"):
+        super().__init__()
+        self.weights = prepare_weights(w13, w2, backend=backend)
+        self.num_experts, self.top_k, self.local_expert_offset = num_experts, top_k, local_expert_offset
+        if lora is not None:
+            if not isinstance(lora, LoRABank):
+                raise TypeError(f"lora: expected a moelab.LoRABank, got {type(lora).__name__}")
+            want = (self.weights.num_local_experts, self.weights.hidden_size, self.weights.intermediate_size)
+            got = (lora.num_local_experts, lora.hidden_size, lora.intermediate_size)
+            if got != want:
+                raise ValueError(f"lora: expected a bank over (E_local, H, I) = {want}, got {got}")
+            if lora.dtype != self.weights.dtype:
+                raise TypeError(f"lora: expected the weights' dtype {self.weights.dtype}, got {lora.dtype}")
+        self.lora = lora
+        # Our own Triton ops serve every backend but "torch" (flashinfer runs on a GPU, where Triton runs too).
+        self._use_triton = self.weights.backend != "torch"
+
+    @property
+    def backend(self) -> str:
+        return self.weights.backend
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                lora_ids: torch.Tensor | None = None, *, has_lora: bool | None = None,
+                validate: bool = True) -> torch.Tensor:
+        T, H = hidden_states.shape[0], self.weights.hidden_size
+        packed = pack_topk_ids_weights(topk_ids, topk_weights, num_experts=self.num_experts, validate=validate)
+        output = torch.empty(T, H, dtype=hidden_states.dtype, device=hidden_states.device)
+        moe_args = dict(num_experts=self.num_experts, top_k=self.top_k,
+                        local_expert_offset=self.local_expert_offset, validate=validate)
+        if self.lora is not None and lora_ids is not None:
+            check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, shape=(T,))
+            if has_lora is None and lora_ids.device.type == "cpu":
+                has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
+        if self.lora is None or lora_ids is None or has_lora is False:
+            routed_moe(packed, hidden_states, self.weights, output=output, **moe_args)
+            return output
+        lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
+        lora_args = dict(local_expert_offset=self.local_expert_offset, use_triton=self._use_triton)
+        segments = lora_segments(topk_ids, lora_ids, self.lora, local_expert_offset=self.local_expert_offset)
+        delta = w13_lora_delta(hidden_states, topk_ids, lora_ids, self.lora, validate=validate, segments=segments,
+                               **lora_args)
+        gemm2, expert_weights, e2p, act_permuted = routed_moe(packed, hidden_states, self.weights,
+                                                              gemm1_lora_delta=delta, do_finalize=False, **moe_args)
+        act = unpermute_activation(act_permuted, e2p, T, self.top_k, use_triton=self._use_triton)
+        w2_delta = w2_lora_delta(act, topk_ids, topk_weights, lora_ids, self.lora, validate=False, segments=segments,
+                                 **lora_args)
+        return finalize_with_w2_lora(output, gemm2, expert_weights, e2p, w2_delta, use_triton=self._use_triton)

@@ -1,0 +1,185 @@
+"""Triton kernel of the MoE-LoRA deltas (SPEC §5): one fused shrink + expand per tile of same-adapter rows.
+
+Index arrays, by name (built by :func:`moelab.lora.lora_segments` with ``moelab.permutation.build_segments``):
+
+    slot          t*K + k, the expanded index of (token t, top-k slot k); one output row per slot
+    group         lora_id * E_local + local_expert for a local slot whose token has an adapter, else
+                  ``zero_group = L * E_local`` (one extra group: the slots whose delta is exactly zero)
+    row_to_slot   int32 [R]: the slot of each permuted row, -1 on a segment's padding and past the live rows
+    block_group   int32 [R / BLOCK_M]: the group of each tile of BLOCK_M rows, -1 past the live rows
+
+Every row of a tile shares one (adapter, expert) pair, so a program reads that pair's A and B once for up to
+BLOCK_M slots (punica's "segmented" GEMV turned into a tiny grouped GEMM; scattermoe: a LoRA expert is a
+rank-r expert routed like any other).
+
+Why one fused kernel and not a shrink launch + an expand launch. Per tile, in elements (S slices, r the
+rank, D_in/D_out the input/output widths; W13: S=2, D_in=H, D_out=I; W2: S=1, D_in=I, D_out=H):
+
+    fused (this file)   x: BLOCK_M*D_in   A: S*r*D_in   B: S*D_out*r   out: BLOCK_M*S*D_out
+    shrink + expand     the same, plus the rank vectors written once (BLOCK_M*S*r) and re-read by each of the
+                        S*D_out/BLOCK_N expand programs, plus a second launch
+    grid over N blocks  x and A re-read (and the shrink recomputed) by each of the S*D_out/BLOCK_N programs
+
+At Qwen3-30B-A3B (H=2048, I=768, r=16, K=8), T=16384, bf16: the W13 delta writes T*K*2I*2 B = 403 MB and
+gathers x rows for T*K*H*2 B = 537 MB; a split shrink/expand adds 8 MB of rank vectors to HBM plus ~100 MB of
+L2 re-reads (12 N blocks) and one launch (~3 us); a grid over N blocks re-reads x 12 times (6.4 GB through L2)
+and adds 12x the shrink FLOPs (+16% of the base layer's FLOPs). The fused kernel moves the minimum: each x row,
+each A and B tile and each output element once per tile. Its cost is less parallelism at decode (one program
+per (adapter, expert) pair present), where the time is launch-bound anyway.
+
+Zeros: the output is allocated with ``torch.empty`` and every slot is written exactly once, because the
+slots without a delta (no adapter, non-local expert) form the extra ``zero_group`` whose tiles store zeros
+without reading x, A or B. A ``torch.zeros`` output would write those 403 MB twice (once zero, once the
+delta) and cost one more launch; here the zero rows cost only their own store.
+
+Precision (SPEC §5, vLLM's ``fused_moe_lora``): the shrink accumulates in fp32 and the rank vector is rounded
+to the input dtype; the expand accumulates in fp32; W2 multiplies the routing weight in fp32, then rounds.
+bf16/fp16 operands go to ``tl.dot`` as they are on a GPU. In Triton's interpreter ``DOT_F32`` upcasts them to
+fp32 first, because the interpreter multiplies raw bf16 bits (triton issue 11584), and every fp32 -> bf16
+rounding goes through ``_common.to_output`` (the interpreter truncates); the values are the same, so results
+match the GPU's. fp32 inputs use ``input_precision="ieee"`` (TF32 would miss 1e-5).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelab import _runtime
+from moelab.kernels._common import to_output
+
+__all__ = ["lora_shrink_expand_triton"]
+
+
+def _pow2_block(n: int, low: int, high: int) -> int:
+    return min(max(triton.next_power_of_2(max(n, 1)), low), high)
+
+
+@triton.jit
+def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                  DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """out[m, n] = (weight[m]) * sum_r rank_vec[m, r] * B[n, r], for n in [0, D_out), BLOCK_N at a time."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, D_out, BLOCK_N):
+        cols = n0 + offs_n
+        n_mask = cols < D_out
+        # B is [D_out, rank] row-major: the [BLOCK_R, BLOCK_N] tile is B^T, contiguous BLOCK_N*rank elements.
+        b_t = tl.load(b_ptr + cols[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
+                      other=0.0)
+        if DOT_F32:
+            b_t = b_t.to(tl.float32)
+        acc = tl.dot(rank_vec, b_t, input_precision=INPUT_PRECISION)
+        if MUL_WEIGHT:
+            acc = acc * weight[:, None]
+        tl.store(out_rows_ptr[:, None] + cols[None, :], to_output(acc, out_rows_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _lora_shrink_expand_kernel(
+    x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, out_ptr, weight_ptr, row_to_slot_ptr, block_group_ptr,
+    stride_x_row, slots_per_input_row, D_in, D_out, rank, zero_group,
+    NUM_SLICES: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One program per tile of BLOCK_M permuted rows; all its rows share ``group`` = (adapter, local expert).
+
+    x [*, D_in] (row of slot s: s // slots_per_input_row); A banks [G, rank, D_in]; B banks [G, D_out, rank];
+    out [N, NUM_SLICES * D_out], slice j in columns [j*D_out, (j+1)*D_out); weight [N] (MUL_WEIGHT).
+    """
+    pid = tl.program_id(0)
+    group = tl.load(block_group_ptr + pid)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(row_to_slot_ptr + offs_m)
+    row_mask = slot >= 0
+    slot64 = tl.where(row_mask, slot, 0).to(tl.int64)
+    width = NUM_SLICES * D_out
+    out_rows = out_ptr + slot64 * width
+    if group == zero_group:
+        # No adapter or a non-local expert: the delta is exactly zero; x, A and B are never read.
+        offs_n = tl.arange(0, BLOCK_N)
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        for n0 in range(0, width, BLOCK_N):
+            cols = n0 + offs_n
+            tl.store(out_rows[:, None] + cols[None, :], zeros, mask=row_mask[:, None] & (cols < width)[None, :])
+    elif group >= 0:
+        # Shrink: acc_j[m, :] = A_j @ x[row m], fp32 accumulation; x is read once for both slices.
+        x_rows = x_ptr + (slot64 // slots_per_input_row) * stride_x_row
+        bank_a = group.to(tl.int64) * rank * D_in
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank  # rank is padded to BLOCK_R (a power of two >= 16) with zeros
+        acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, D_in, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < D_in
+            x = tl.load(x_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            a_offs = bank_a + offs_r[None, :] * D_in + ks[:, None]  # the [BLOCK_K, BLOCK_R] tile of A^T
+            a_mask = k_mask[:, None] & r_mask[None, :]
+            a0_t = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
+            if DOT_F32:
+                x = x.to(tl.float32)
+                a0_t = a0_t.to(tl.float32)
+            acc0 = tl.dot(x, a0_t, acc0, input_precision=INPUT_PRECISION)
+            if NUM_SLICES == 2:
+                a1_t = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
+                if DOT_F32:
+                    a1_t = a1_t.to(tl.float32)
+                acc1 = tl.dot(x, a1_t, acc1, input_precision=INPUT_PRECISION)
+        weight = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if MUL_WEIGHT:
+            weight = tl.load(weight_ptr + slot64, mask=row_mask, other=0.0).to(tl.float32)
+        # The rank vector is rounded to the input dtype (vLLM's tmp_typed), then expanded in fp32.
+        rank_vec = to_output(acc0, x_ptr.dtype.element_ty)
+        if DOT_F32:
+            rank_vec = rank_vec.to(tl.float32)
+        bank_b = group.to(tl.int64) * D_out * rank
+        _expand_store(rank_vec, b0_ptr + bank_b, out_rows, row_mask, weight, D_out, rank,
+                      BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, INPUT_PRECISION)
+        if NUM_SLICES == 2:
+            rank_vec = to_output(acc1, x_ptr.dtype.element_ty)
+            if DOT_F32:
+                rank_vec = rank_vec.to(tl.float32)
+            _expand_store(rank_vec, b1_ptr + bank_b, out_rows + D_out, row_mask, weight, D_out, rank,
+                          BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, INPUT_PRECISION)
+
+
+def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
+                              out: torch.Tensor, row_to_slot: torch.Tensor, block_group: torch.Tensor, *,
+                              block_m: int, slots_per_input_row: int, zero_group: int,
+                              weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the fused kernel; arguments are already validated by :mod:`moelab.lora`.
+
+    Args:
+        x: [*, D_in], unit column stride; slot s reads row ``s // slots_per_input_row``.
+        a_banks: 1 or 2 contiguous A banks [L, E_local, rank, D_in] (slice order = output column order).
+        b_banks: the matching contiguous B banks [L, E_local, D_out, rank].
+        out: contiguous [N, len(a_banks) * D_out], every row written.
+        row_to_slot, block_group: int32 from ``build_segments(..., tile=block_m)``.
+        weight: [N] float, multiplied in fp32 (W2), or None.
+    """
+    num_slices = len(a_banks)
+    rank, d_in = a_banks[0].shape[-2], a_banks[0].shape[-1]
+    d_out = b_banks[0].shape[-2]
+    num_tiles = row_to_slot.numel() // block_m
+    if num_tiles == 0:
+        return out
+    fp32_operands = x.dtype == torch.float32 or _runtime.INTERPRET
+    a1, b1 = (a_banks[1], b_banks[1]) if num_slices == 2 else (a_banks[0], b_banks[0])
+    _lora_shrink_expand_kernel[(num_tiles,)](
+        x, a_banks[0], a1, b_banks[0], b1, out, weight if weight is not None else out, row_to_slot, block_group,
+        x.stride(0), slots_per_input_row, d_in, d_out, rank, zero_group,
+        NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None,
+        BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, 128), BLOCK_N=_pow2_block(d_out, 16, 128),
+        BLOCK_R=_pow2_block(rank, 16, 1 << 30),
+        DOT_F32=_runtime.INTERPRET and x.dtype != torch.float32,
+        INPUT_PRECISION="ieee" if fp32_operands else "tf32",
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,384 @@
+"""LoRA on the experts (SPEC §5): the adapter bank and the two per-slot deltas vLLM feeds FlashInfer.
+
+    LoRABank        L slots x E_local experts of zero-padded A and B matrices, scaling folded into B
+    w13_lora_delta  [T, K, 2I] in [up, gate] order, unweighted: added to GEMM1's output before SwiGLU
+    w2_lora_delta   [T, K, H], weighted by the caller's routing weights, not reduced over k
+
+Index arrays, by name:
+
+    topk_ids      int [T, K]   global expert id of slot (t, k); local iff 0 <= id - local_expert_offset < E_local
+    lora_ids      int [T]      adapter slot of token t, -1 for none
+    slot          t*K + k      expanded index; row of the [T*K, ...] views of the outputs and of ``act``
+    segments      :class:`moelab.permutation.Segments` of the slots grouped by (adapter, local expert), plus one
+                  last group of the slots whose delta is zero; build it once with :func:`lora_segments` and pass
+                  it to both deltas of a layer
+
+Each delta validates, allocates, then launches the fused Triton kernel of ``moelab/kernels/lora.py`` when
+Triton can run on the device (a CUDA GPU, or the interpreter on CPU), else runs the torch fallback below,
+which follows the same tiles. ``use_triton`` forces either (tests compare both).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from moelab import _checks
+from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
+from moelab.ops import _use_triton
+from moelab.permutation import Segments, build_segments
+
+__all__ = ["LoRABank", "lora_scaling", "lora_segments", "w13_lora_delta", "w2_lora_delta"]
+
+_BANK_FORMAT = "moelab.LoRABank/1"
+#: (name, shape of one slot in the bank as a function of (E_local, H, I, r)), in the order of ``set``.
+_BANK_TENSORS = {
+    "gate_a": lambda e, h, i, r: (e, r, h),
+    "gate_b": lambda e, h, i, r: (e, i, r),
+    "up_a": lambda e, h, i, r: (e, r, h),
+    "up_b": lambda e, h, i, r: (e, i, r),
+    "down_a": lambda e, h, i, r: (e, r, i),
+    "down_b": lambda e, h, i, r: (e, h, r),
+}
+
+
+def lora_scaling(alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """The LoRA scale PEFT applies to ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
+    check_int("rank", rank, low=1)
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+class LoRABank:
+    """L adapter slots for the E_local experts of one MoE layer, each slot of rank up to ``max_rank``.
+
+    Tensors (``dtype``, on ``device``, contiguous; a slot of rank r < max_rank is zero past r, which makes the
+    padded products exact):
+
+        gate_a, up_a  [L, E_local, max_rank, H]   A of the gate (w1) and up (w3) projections
+        gate_b, up_b  [L, E_local, I, max_rank]   B of gate and up, scaling folded in
+        down_a        [L, E_local, max_rank, I]   A of the down projection (w2)
+        down_b        [L, E_local, H, max_rank]   B of down, scaling folded in
+        ranks         list[int] [L]               rank of each slot, 0 for an empty slot
+
+    The scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA: :func:`lora_scaling`) is folded into B by
+    :meth:`set`, as vLLM does at load time, so the kernels take no scale.
+
+    Example:
+        >>> bank = LoRABank(2, num_local_experts=4, hidden_size=64, intermediate_size=32, max_rank=8,
+        ...                 dtype=torch.float32)
+        >>> E, H, I, r = 4, 64, 32, 4
+        >>> bank.set(0, gate_a=torch.randn(E, r, H), gate_b=torch.randn(E, I, r), up_a=torch.randn(E, r, H),
+        ...          up_b=torch.randn(E, I, r), down_a=torch.randn(E, r, I), down_b=torch.randn(E, H, r),
+        ...          scaling=lora_scaling(alpha=16, rank=r))
+        >>> bank.ranks
+        [4, 0]
+    """
+
+    def __init__(self, max_loras: int, num_local_experts: int, hidden_size: int, intermediate_size: int,
+                 max_rank: int, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+        self.max_loras = check_int("max_loras", max_loras, low=1)
+        self.num_local_experts = check_int("num_local_experts", num_local_experts, low=1)
+        self.hidden_size = check_int("hidden_size", hidden_size, low=1)
+        self.intermediate_size = check_int("intermediate_size", intermediate_size, low=1)
+        self.max_rank = check_int("max_rank", max_rank, low=1)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        L, E, H, I, r = max_loras, num_local_experts, hidden_size, intermediate_size, max_rank
+        for name, shape in _BANK_TENSORS.items():
+            setattr(self, name, torch.zeros((L, *shape(E, H, I, r)), dtype=dtype, device=device))
+        self.ranks: list[int] = [0] * L
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate_a.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_a.device
+
+    def __repr__(self) -> str:
+        return (f"LoRABank(max_loras={self.max_loras}, num_local_experts={self.num_local_experts}, "
+                f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"max_rank={self.max_rank}, dtype={self.dtype}, device={self.device}, ranks={self.ranks})")
+
+    def _check_slot(self, slot) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot: expected an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot: expected an int in [0, {self.max_loras}), got {slot}")
+        return slot
+
+    def set(self, slot: int, *, gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor,
+            up_b: torch.Tensor, down_a: torch.Tensor, down_b: torch.Tensor, scaling: float = 1.0) -> None:
+        """Load one adapter of rank r (1 <= r <= max_rank) into ``slot``, folding ``scaling`` into the B's.
+
+        Args:
+            gate_a, up_a: [E_local, r, H]; gate_b, up_b: [E_local, I, r];
+            down_a: [E_local, r, I]; down_b: [E_local, H, r]. Any floating dtype and device: they are copied
+            into the bank's, B multiplied by ``scaling`` in fp32 (or wider) first, then rounded once.
+            scaling: e.g. ``lora_scaling(alpha, r, use_rslora)``.
+        """
+        self._check_slot(slot)
+        given = {"gate_a": gate_a, "gate_b": gate_b, "up_a": up_a, "up_b": up_b, "down_a": down_a, "down_b": down_b}
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+            raise TypeError(f"scaling: expected a float, got {type(scaling).__name__}")
+        if not math.isfinite(scaling):
+            raise ValueError(f"scaling: expected a finite float, got {scaling}")
+        for name, t in given.items():
+            check_tensor(name, t, ndim=3)
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a floating dtype, got {str(t.dtype).replace('torch.', '')}")
+        rank = gate_a.shape[1]
+        if rank > self.max_rank:
+            raise ValueError(f"gate_a: rank {rank} (gate_a.shape[1]) is larger than the bank's max_rank "
+                             f"{self.max_rank}; make a bank with max_rank >= {rank}")
+        check_int("rank", rank, low=1)
+        E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
+        for name, t in given.items():
+            check_tensor(name, t, shape=_BANK_TENSORS[name](E, H, I, rank))
+        self.reset(slot)
+        for name, t in given.items():
+            dst = getattr(self, name)[slot]
+            if name.endswith("_b"):
+                t = t.to(torch.promote_types(t.dtype, torch.float32)) * scaling
+                dst[:, :, :rank].copy_(t)
+            else:
+                dst[:, :rank, :].copy_(t)
+        self.ranks[slot] = rank
+
+    def reset(self, slot: int) -> None:
+        """Zero ``slot``: its adapter then contributes exactly nothing."""
+        self._check_slot(slot)
+        for name in _BANK_TENSORS:
+            getattr(self, name)[slot].zero_()
+        self.ranks[slot] = 0
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the bank to a safetensors file, sizes and ranks in its metadata."""
+        from safetensors.torch import save_file
+
+        meta = {"format": _BANK_FORMAT, "max_loras": self.max_loras, "num_local_experts": self.num_local_experts,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "max_rank": self.max_rank, "ranks": self.ranks}
+        tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _BANK_TENSORS}
+        save_file(tensors, os.fspath(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu") -> LoRABank:
+        """Read a bank written by :meth:`save` (dtype as saved) onto ``device``."""
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if json.loads(meta.get("format", "null")) != _BANK_FORMAT:
+                raise ValueError(f"path: expected a file written by LoRABank.save (format {_BANK_FORMAT!r}), "
+                                 f"got format {meta.get('format')!r} in {os.fspath(path)}")
+            tensors = {name: f.get_tensor(name) for name in _BANK_TENSORS}
+        sizes = {k: json.loads(meta[k]) for k in ("max_loras", "num_local_experts", "hidden_size",
+                                                  "intermediate_size", "max_rank")}
+        bank = cls(**sizes, dtype=tensors["gate_a"].dtype, device=device)
+        for name, t in tensors.items():
+            check_tensor(name, t, shape=tuple(getattr(bank, name).shape))
+            getattr(bank, name).copy_(t)
+        bank.ranks = [int(r) for r in json.loads(meta["ranks"])]
+        return bank
+
+
+# ---------------------------------------------------------------------------------------------- segments
+
+def _block_m(num_slots: int, num_local_experts: int) -> int:
+    """Rows per tile: ~slots per expert, clamped to [16, 64] (16 is tl.dot's minimum; 64 keeps a tile's
+    expand accumulator [64, 128] fp32 in registers with 4 warps)."""
+    per_expert = -(-num_slots // num_local_experts)
+    return min(max(1 << max(0, (per_expert - 1).bit_length()), 16), 64)
+
+
+def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
+                  local_expert_offset: int = 0) -> Segments:
+    """Group the T*K slots by (adapter, local expert), tile-aligned, on the device (no host sync).
+
+    Group ``lora_id * E_local + e`` for a local slot whose token has an adapter in ``[0, L)``; every other slot
+    goes to the last group ``L * E_local``, whose tiles the kernel fills with zeros. Both deltas of a layer
+    group the same way: build this once and pass it as ``segments=`` to :func:`w13_lora_delta` and
+    :func:`w2_lora_delta`. Arguments are those of :func:`w13_lora_delta` (not validated here).
+    """
+    L, E_local = bank.max_loras, bank.num_local_experts
+    T, K = topk_ids.shape
+    zero_group = L * E_local
+    expert = topk_ids.long() - local_expert_offset
+    adapter = lora_ids.long()[:, None]
+    live = (expert >= 0) & (expert < E_local) & (adapter >= 0) & (adapter < L)
+    group = torch.where(live, adapter * E_local + expert, zero_group)
+    return build_segments(group.flatten(), zero_group + 1, _block_m(T * K, E_local))
+
+
+# ---------------------------------------------------------------------------------------------- torch fallback
+
+def lora_shrink_expand_torch(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
+                             out: torch.Tensor, segments: Segments, *, slots_per_input_row: int, zero_group: int,
+                             weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's tiles in torch: gather each tile's rows and its group's A and B, two batched matmuls.
+
+    Same arguments and precision as :func:`moelab.kernels.lora.lora_shrink_expand_triton`.
+    """
+    num_slots = out.shape[0]
+    tile = segments.tile
+    slot = segments.row_to_slot.long()  # [R]
+    live = slot >= 0
+    slot_c = slot.clamp(min=0)
+    block_group = segments.block_group.long()  # [R / tile]
+    adapter_tile = (block_group >= 0) & (block_group < zero_group)
+    group = block_group.clamp(0, zero_group - 1)
+    num_tiles = block_group.numel()
+    rank, d_in = a_banks[0].shape[-2:]
+    d_out = b_banks[0].shape[-2]
+    xs = x[slot_c // slots_per_input_row].float().view(num_tiles, tile, d_in)
+    pieces = []
+    for a, b in zip(a_banks, b_banks):
+        a_t = a.reshape(-1, rank, d_in)[group].float()  # [tiles, r, D_in]: one A per tile, as in the kernel
+        rank_vec = (xs @ a_t.transpose(1, 2)).to(x.dtype).float()  # fp32 shrink, rounded to the input dtype
+        b_t = b.reshape(-1, d_out, rank)[group].float()  # [tiles, D_out, r]
+        pieces.append(rank_vec @ b_t.transpose(1, 2))  # fp32 expand
+    y = torch.cat(pieces, dim=-1).view(-1, len(a_banks) * d_out)
+    if weight is not None:
+        y = y * weight.reshape(-1).float()[slot_c][:, None]
+    keep = live & adapter_tile.repeat_interleave(tile)
+    y = torch.where(keep[:, None], y, torch.zeros((), device=y.device))
+    # Every slot owns exactly one live row; padding rows land in a spill row that is cut off.
+    spill = torch.empty(num_slots + 1, out.shape[1], dtype=out.dtype, device=out.device)
+    spill[torch.where(live, slot, num_slots)] = y.to(out.dtype)
+    out.copy_(spill[:num_slots])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- deltas
+
+def _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, validate):
+    if not isinstance(bank, LoRABank):
+        raise TypeError(f"bank: expected a LoRABank, got {type(bank).__name__}")
+    check_tensor("topk_ids", topk_ids, dtypes=INT_DTYPES, ndim=2)
+    T, K = topk_ids.shape
+    if K < 1:
+        raise ValueError(f"topk_ids: expected at least one column (top_k >= 1), got shape {list(topk_ids.shape)}")
+    check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, shape=(T,))
+    check_int("local_expert_offset", local_expert_offset, low=0)
+    for name in _BANK_TENSORS:
+        _checks.check_contiguous(f"bank.{name}", getattr(bank, name))
+    if segments is not None:
+        if not isinstance(segments, Segments):
+            raise TypeError(f"segments: expected moelab.permutation.Segments from lora_segments, "
+                            f"got {type(segments).__name__}")
+        if segments.slot_to_row.numel() != T * K or segments.tile not in (16, 32, 64, 128):
+            raise ValueError(f"segments: expected lora_segments of these {T * K} slots, got one of "
+                             f"{segments.slot_to_row.numel()} slots with tile {segments.tile}")
+    if validate and T > 0:
+        lo, hi = torch.stack([lora_ids.min(), lora_ids.max()]).tolist()  # one host sync
+        if lo < -1 or hi >= bank.max_loras:
+            bad = lo if lo < -1 else hi
+            raise ValueError(f"lora_ids: expected adapter ids in [-1, {bank.max_loras}) (-1 = no adapter), "
+                             f"got {bad}")
+    return T, K
+
+
+def _run(x, a_banks, b_banks, out, topk_ids, lora_ids, bank, local_expert_offset, segments, use_triton, *,
+         slots_per_input_row, weight=None):
+    device = out.device
+    if out.numel() == 0:
+        return out
+    if segments is None:
+        segments = lora_segments(topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
+    zero_group = bank.max_loras * bank.num_local_experts
+    out2d = out.view(out.shape[0] * out.shape[1], -1)
+    if not _use_triton(device, use_triton):
+        lora_shrink_expand_torch(x, a_banks, b_banks, out2d, segments, slots_per_input_row=slots_per_input_row,
+                                 zero_group=zero_group, weight=weight)
+        return out
+    from moelab.kernels.lora import lora_shrink_expand_triton
+
+    lora_shrink_expand_triton(x, a_banks, b_banks, out2d, segments.row_to_slot, segments.block_group,
+                              block_m=segments.tile, slots_per_input_row=slots_per_input_row,
+                              zero_group=zero_group, weight=weight)
+    return out
+
+
+def _check_out(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor("out", out, shape=shape)
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device}, got {out.device}")
+    _checks.check_contiguous("out", out)
+    return out
+
+
+def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
+                   local_expert_offset: int = 0, validate: bool = True, segments: Segments | None = None,
+                   out: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
+    """The W13 LoRA delta FlashInfer adds to GEMM1's output before SwiGLU (SPEC §5), [up, gate] order.
+
+    ``delta[t, k] = cat(B_up @ (A_up @ x[t]), B_gate @ (A_gate @ x[t]))`` for a local slot whose token has an
+    adapter, unweighted; every other row is exactly zero. The rank vector is accumulated in fp32 and rounded to
+    the input dtype, the expand accumulates in fp32 (vLLM's precision).
+
+    Args:
+        hidden_states: [T, H], the bank's dtype (bf16, fp16 or fp32), contiguous.
+        topk_ids: int [T, K], **global** expert ids (any id outside the EP window gives a zero row).
+        lora_ids: int [T], the adapter slot of each token in [0, L), or -1 for none.
+        bank: :class:`LoRABank` on the same device.
+        local_expert_offset: first global expert id of this rank's window [offset, offset + E_local).
+        validate: check ``lora_ids`` on the device (one host sync). Pass False under CUDA-graph capture and in
+            benchmarks: then nothing syncs, and an id >= L gives zero rows instead of an error.
+        segments: :func:`lora_segments` of these ids, to share one grouping with :func:`w2_lora_delta`.
+        out: optional contiguous [T, K, 2I] buffer of the input dtype, written in full and returned.
+        use_triton: True / False force the Triton kernel / the torch fallback; None picks Triton where it runs.
+
+    Returns:
+        [T, K, 2I] in the dtype of ``hidden_states``: columns 0:I are up, I:2I gate (FlashInfer order).
+    """
+    T, K = _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, validate)
+    check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, shape=(T, bank.hidden_size))
+    if hidden_states.dtype != bank.dtype:
+        raise TypeError(f"hidden_states: expected the bank's dtype {bank.dtype}, got {hidden_states.dtype}")
+    _checks.check_contiguous("hidden_states", hidden_states)
+    device = _checks.check_same_device(hidden_states=hidden_states, topk_ids=topk_ids, lora_ids=lora_ids,
+                                       bank=bank.gate_a)
+    out = _check_out(out, (T, K, 2 * bank.intermediate_size), hidden_states.dtype, device)
+    return _run(hidden_states, [bank.up_a, bank.gate_a], [bank.up_b, bank.gate_b], out, topk_ids, lora_ids, bank,
+                local_expert_offset, segments, use_triton, slots_per_input_row=K)
+
+
+def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, lora_ids: torch.Tensor,
+                  bank: LoRABank, *, local_expert_offset: int = 0, validate: bool = True,
+                  segments: Segments | None = None, out: torch.Tensor | None = None,
+                  use_triton: bool | None = None) -> torch.Tensor:
+    """The W2 LoRA delta (SPEC §5): ``w[t, k] * B_down @ (A_down @ act[t*K + k])`` per slot, not reduced.
+
+    The routing weight is the caller's (e.g. fp32, not the bf16-rounded one the base path uses), multiplied in
+    fp32 after the fp32 expand. Rows of non-local slots and of tokens without an adapter are exactly zero.
+
+    Args:
+        act: [T*K, I], the unpermuted SwiGLU activation (:func:`moelab.unpermute_activation`), the bank's
+            dtype, contiguous.
+        topk_ids: int [T, K] global ids; topk_weights: float [T, K]; lora_ids: int [T] (-1 = none).
+        bank, local_expert_offset, validate, segments, out, use_triton: as in :func:`w13_lora_delta`
+            (``out``: [T, K, H]).
+
+    Returns:
+        [T, K, H] in the dtype of ``act``.
+    """
+    T, K = _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, validate)
+    check_tensor("act", act, dtypes=FLOAT_DTYPES, shape=(T * K, bank.intermediate_size))
+    if act.dtype != bank.dtype:
+        raise TypeError(f"act: expected the bank's dtype {bank.dtype}, got {act.dtype}")
+    _checks.check_contiguous("act", act)
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES + (torch.float64,), shape=(T, K))
+    device = _checks.check_same_device(act=act, topk_ids=topk_ids, topk_weights=topk_weights, lora_ids=lora_ids,
+                                       bank=bank.down_a)
+    out = _check_out(out, (T, K, bank.hidden_size), act.dtype, device)
+    return _run(act, [bank.down_a], [bank.down_b], out, topk_ids, lora_ids, bank, local_expert_offset, segments,
+                use_triton, slots_per_input_row=1, weight=topk_weights.contiguous())

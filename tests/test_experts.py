@@ -1,0 +1,148 @@
+"""LoRAExperts (SPEC §5) on the torch and triton backends against ``moelab.reference.lora_experts``.
+
+Adapters are random with a large contribution, and the LoRA part alone (output - base) is compared too, so a
+broken LoRA path cannot hide under the base output.
+"""
+
+import pytest
+import torch
+from helpers import REL_TOL, assert_close_to_reference, random_experts, random_topk_ids, random_weights, rel_err
+
+import moelab
+from moelab import reference
+
+BACKENDS = ["torch", "triton"]
+
+
+def random_adapters(L, E, H, I, ranks, *, seed=0):
+    """One dict of fp32 adapter tensors per slot (rank ranks[l]); B ~ N(0, 1): a contribution of the order of
+    the base output."""
+    g = torch.Generator().manual_seed(seed)
+    adapters = []
+    for r in ranks[:L]:
+        adapters.append({
+            "gate_a": torch.randn(E, r, H, generator=g) / H**0.5, "gate_b": torch.randn(E, I, r, generator=g),
+            "up_a": torch.randn(E, r, H, generator=g) / H**0.5, "up_b": torch.randn(E, I, r, generator=g),
+            "down_a": torch.randn(E, r, I, generator=g) / I**0.5, "down_b": torch.randn(E, H, r, generator=g) / 4,
+        })
+    return adapters
+
+
+def make_bank(adapters, E_local, offset, H, I, max_rank, dtype, device, scaling=0.5):
+    bank = moelab.LoRABank(len(adapters), E_local, H, I, max_rank, dtype=dtype, device=device)
+    for slot, a in enumerate(adapters):
+        bank.set(slot, scaling=scaling, **{k: v[offset:offset + E_local].to(dtype).to(device) for k, v in a.items()})
+    return bank
+
+
+def make_problem(T, K, E, H, I, dtype, device, *, L=3, ranks=(4, 8, 2), seed=0, lora_ids=None):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = random_experts(E, H, I, dtype, device=device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    ids = random_topk_ids(T, K, E, generator=g, device=device)
+    w = random_weights(T, K, generator=g, device=device)
+    if lora_ids is None:
+        lora_ids = torch.randint(-1, L, (T,), generator=g)
+    adapters = random_adapters(L, E, H, I, list(ranks), seed=seed)
+    return x, ids, w, w13, w2, lora_ids.to(device), adapters
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "T, K, E, H, I, lora_ids",
+    [
+        (12, 2, 8, 48, 40, None),  # several adapters and ranks, some -1 tokens; odd H, I
+        (1, 4, 8, 32, 32, torch.tensor([1])),  # T = 1 decode with an adapter
+        (5, 6, 6, 32, 16, torch.tensor([0, 2, -1, 1, 0])),  # K == E: every token touches every expert
+    ],
+)
+def test_lora_experts_matches_reference(backend, dtype, T, K, E, H, I, lora_ids, device):
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, lora_ids=lora_ids)
+    bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend=backend)
+    out = experts(x, w, ids, lora_ids)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
+    assert_close_to_reference(out, ref["output"], dtype, f"{backend} output")
+    base = experts(x, w, ids, None)
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, f"{backend} LoRA part")
+    # Tokens without an adapter: bit-for-bit the base path's rows (users saw base requests corrupted: never here).
+    no_adapter = (lora_ids < 0).to(out.device)
+    assert torch.equal(out[no_adapter], base[no_adapter])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_minus_one_takes_the_fast_path_and_equals_base(backend, device, monkeypatch):
+    T, K, E, H, I = 7, 2, 8, 32, 16
+    x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, torch.bfloat16, device)
+    bank = make_bank(adapters, E, 0, H, I, 8, torch.bfloat16, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend=backend)
+    base = experts(x, w, ids, None)
+    none = torch.full((T,), -1)
+    lora_path = experts(x, w, ids, none.to(device), has_lora=True)  # forced LoRA path: all deltas zero
+    assert torch.equal(lora_path, base)
+    calls = []
+    monkeypatch.setattr(moelab.experts, "w13_lora_delta", lambda *a, **k: calls.append(1))
+    assert torch.equal(experts(x, w, ids, none), base)  # CPU ids, all -1: decided on the host
+    assert torch.equal(experts(x, w, ids, none.to(device), has_lora=False), base)
+    assert calls == []
+    ref = reference.lora_experts(x, w, ids, none, w13, w2, bank)
+    assert_close_to_reference(base, ref["output"], torch.bfloat16, "base")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("E_local", [2, 3])  # even and uneven windows over E = 6
+def test_expert_parallel_partial_sums(backend, E_local, device):
+    T, K, E, H, I, dtype = 9, 3, 6, 32, 24, torch.float32
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, seed=4)
+    full = reference.lora_experts(x, w, ids, lora_ids, w13, w2, make_bank(adapters, E, 0, H, I, 8, dtype, "cpu"))
+    total = torch.zeros(T, H, dtype=torch.float64)
+    for offset in range(0, E, E_local):
+        n = min(E_local, E - offset)
+        bank = make_bank(adapters, n, offset, H, I, 8, dtype, device)
+        experts = moelab.LoRAExperts(w13[offset:offset + n], w2[offset:offset + n], num_experts=E, top_k=K,
+                                     local_expert_offset=offset, lora=bank, backend=backend)
+        part = experts(x, w, ids, lora_ids)
+        ref_part = reference.lora_experts(x, w, ids, lora_ids, w13[offset:offset + n], w2[offset:offset + n], bank,
+                                          local_expert_offset=offset)
+        assert_close_to_reference(part, ref_part["output"], dtype, f"window at {offset}")
+        total += part.double().cpu()
+    assert rel_err(total, full["output"]) < REL_TOL[dtype]
+    assert rel_err(total - full["base"], full["lora"]) < REL_TOL[dtype]
+
+
+def test_lora_experts_rejects_bad_input(device):
+    E, K, H, I = 4, 2, 16, 16
+    w13, w2 = random_experts(E, H, I, torch.float32, device=device)
+    wrong = moelab.LoRABank(1, E, H, 32, 4, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="lora.*E_local, H, I"):
+        moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wrong, backend="torch")
+    with pytest.raises(TypeError, match="lora.*LoRABank"):
+        moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=object(), backend="torch")
+    bank = moelab.LoRABank(2, E, H, I, 4, dtype=torch.float32, device=device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch")
+    x, ids, w = torch.randn(3, H, device=device), random_topk_ids(3, K, E, device=device), torch.rand(3, K)
+    with pytest.raises(ValueError, match="lora_ids.*shape"):
+        experts(x, w.to(device), ids, torch.zeros(2, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="lora_ids"):
+        experts(x, w.to(device), ids, torch.tensor([0, 5, -1], device=device))  # adapter id outside the bank
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
+def test_lora_experts_cuda_graph_capture_and_replay():
+    T, K, E, H, I, dtype, device = 32, 4, 8, 128, 64, torch.bfloat16, "cuda"
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device)
+    bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    experts(x, w, ids, lora_ids, has_lora=True, validate=False)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts(x, w, ids, lora_ids, has_lora=True, validate=False)
+    x2, ids2, wts2, _, _, lora2, _ = make_problem(T, K, E, H, I, dtype, device, seed=9)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(wts2), lora_ids.copy_(lora2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.lora_experts(x2, wts2, ids2, lora2, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], dtype, "replayed graph")
