@@ -3,11 +3,13 @@
     python scripts/tune_moe.py [--shape qwen3] [--tokens 1,32,128,1024,4096,16384]
 
 Each candidate is checked against the torch backend before it is timed (do_bench median, 4 input sets
-rotated). The winners go into ``choose_config`` in moelab/backends/triton_backend.py by hand.
+rotated). The winner of each T replaces the config of its rows-per-expert bucket in
+moelab/backends/triton_configs.json (and a copy goes to $OUT), which ``choose_config`` reads.
 """
 
 import argparse
-import itertools
+import json
+import os
 import time
 
 import torch
@@ -15,19 +17,38 @@ import triton
 
 import moelab
 from moelab.backends import triton_backend as tb
+from moelab.kernels.segments import build_segments_triton
 from moelab.permutation import build_segments, local_expert_of_slot
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "olmoe": (64, 8, 2048, 1024), "mixtral": (8, 2, 4096, 14336)}
 
 
 def candidates(rows_per_expert):
-    if rows_per_expert <= 4:
-        grid = itertools.product([16], [32, 64, 128], [64, 128, 256], [4], [3, 4, 5])
+    """Likely winners first (the sweep stops at its time budget). (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    if rows_per_expert <= 4:  # weight streaming: many programs, deep pipelines
+        grid = [(16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3),
+                (16, 64, 64, 4, 5), (16, 128, 64, 4, 4), (16, 64, 128, 8, 4), (16, 32, 128, 2, 5),
+                (16, 32, 64, 4, 6)]
     elif rows_per_expert <= 32:
-        grid = itertools.product([16, 32], [64, 128], [64, 128], [4], [3, 4])
+        grid = [(16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+                (32, 128, 128, 8, 3), (16, 32, 128, 4, 4), (32, 64, 64, 4, 5)]
     else:
-        grid = itertools.product([64, 128], [64, 128, 256], [32, 64], [4, 8], [3, 4])
+        grid = [(128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                (64, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3)]
     return [tb.GemmConfig(*c) for c in grid]
+
+
+def record_winner(rows_per_expert, cfg):
+    """Write ``cfg`` into the bucket of ``rows_per_expert`` in the package's config file (and $OUT)."""
+    table = json.loads(tb._CONFIG_FILE.read_text())
+    bucket = next(b for b in table["buckets"] if rows_per_expert <= b["max_rows_per_expert"])
+    bucket["config"] = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
+    table["gpu"] = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+    text = json.dumps(table, indent=2) + "\n"
+    tb._CONFIG_FILE.write_text(text)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "triton_configs.json"), "w") as f:
+            f.write(text)
 
 
 def main():
@@ -53,9 +74,11 @@ def main():
         ref = moelab.routed_moe((ids, ew), x, Wt, num_experts=E, top_k=K)[0].float() if T <= 4096 else None
         seg_ms = triton.testing.do_bench(lambda ids=ids: build_segments(local_expert_of_slot(ids, 0), E, 64),
                                          return_mode="median")
+        seg_tr_ms = triton.testing.do_bench(lambda ids=ids: build_segments_triton(ids, E, 16), return_mode="median")
+        print(f"T={T} segments torch {seg_ms*1e3:.1f} us, triton {seg_tr_ms*1e3:.1f} us", flush=True)
         results = []
         start = time.time()
-        default = tb.choose_config(T, K, E)
+        default = tb.choose_config(T, K, E)  # the current file's config, timed beside the candidates
         for cfg in [default] + candidates(T * K / E):
             if time.time() - start > args.budget_s:
                 break
@@ -76,6 +99,8 @@ def main():
             except Exception as e:  # a config that does not compile (shared memory) is skipped
                 print(f"  T={T} {cfg} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
         results.sort(key=lambda r: r[0])
+        if results:
+            record_winner(T * K / E, results[0][1])
         dflt = next((ms for ms, c in results if c == default), float("nan"))
         print(f"T={T:6d} segments {seg_ms*1e3:7.1f} us | default {dflt*1e3:8.1f} us | best {results[0][0]*1e3:8.1f} us "
               f"{results[0][1]} | 2nd {results[1][0]*1e3 if len(results) > 1 else 0:8.1f} us "

@@ -302,3 +302,24 @@ def test_triton_routed_moe_cuda_graph_capture_and_replay():
     torch.cuda.synchronize()
     ref = reference.routed_moe(ids2, reference.unpack_topk_ids_weights(packed)[1], x2, w13, w2)["output"]
     assert_close_to_reference(out, ref, torch.bfloat16, "replayed graph")
+
+
+@pytest.mark.parametrize(
+    "N, G, tile, offset, low, high",
+    [
+        (8, 128, 16, 0, 0, 128),  # decode: 8 slots over 128 experts, one chunk
+        (300, 17, 16, 3, 0, 30),  # EP window [3, 20): slots outside belong to no group; several chunks
+        (1000, 513, 32, 0, -1, 600),  # LoRA-sized grouping (4 adapters x 128 experts + 1): narrow chunks
+        (5000, 8, 16, 0, 0, 8),  # above MAX_SLOTS: the torch path
+    ],
+)
+def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high, device):
+    from moelab.kernels.segments import build_segments_triton
+    from moelab.permutation import build_segments
+
+    values = torch.randint(low, high, (N,), dtype=torch.int32, device=device)
+    got = build_segments_triton(values, G, tile, offset)
+    want = build_segments(values.long() - offset, G, tile)
+    assert torch.equal(got.slot_to_row, want.slot_to_row)
+    assert torch.equal(got.row_to_slot, want.row_to_slot)
+    assert torch.equal(got.block_group, want.block_group)

@@ -1,13 +1,16 @@
 """Backend "triton": the routed-MoE contract with moelab's own Triton kernels (any CUDA GPU; CPU through the
 interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), no alignment requirement.
 
-Pipeline (launches): segments by local expert (torch sort + scans) -> GEMM1 + LoRA delta + SwiGLU ->
+Pipeline (launches): segments by local expert (one Triton program up to 4096 slots, else torch sort and
+scans) -> GEMM1 + LoRA delta + SwiGLU ->
 GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M, so a tile never mixes experts.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -15,8 +18,8 @@ import triton
 from moelab import _runtime
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel
+from moelab.kernels.segments import build_segments_triton
 from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
-from moelab.permutation import build_segments, local_expert_of_slot
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -40,19 +43,26 @@ class GemmConfig:
     num_stages: int
 
 
-def choose_config(num_tokens: int, top_k: int, num_local_experts: int) -> GemmConfig:
-    """Tile sizes by rows per expert. Decode is weight-bandwidth bound: small BLOCK_M, narrow BLOCK_N for many
-    programs streaming weights; prefill is compute bound: big tiles for tensor-core reuse."""
+_CONFIG_FILE = Path(__file__).with_name("triton_configs.json")
+#: (max rows per expert, config) ascending; tuned on a GPU by scripts/tune_moe.py.
+CONFIG_BUCKETS = [(b["max_rows_per_expert"], GemmConfig(*b["config"]))
+                  for b in json.loads(_CONFIG_FILE.read_text())["buckets"]]
+#: Shared memory a config may pipeline through (H200: 228 KB per SM; leave room for the epilogue).
+_SMEM_BUDGET = 200 * 1024
+
+
+def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
+                  dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+    """Tile sizes by rows per local expert, from ``triton_configs.json``. Decode is weight-bandwidth bound
+    (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for tensor-core reuse).
+    fp32 operands take twice the shared memory per stage, so the pipeline depth shrinks to fit."""
     if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
         return GemmConfig(16, 32, 32, 4, 1)
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
-    if rows_per_expert <= 16:
-        return GemmConfig(16, 64, 128, 4, 4)
-    if rows_per_expert <= 64:
-        return GemmConfig(32, 64, 128, 4, 4)
-    if rows_per_expert <= 256:
-        return GemmConfig(64, 128, 64, 4, 4)
-    return GemmConfig(128, 128, 64, 8, 4)
+    cfg = next(c for limit, c in CONFIG_BUCKETS if rows_per_expert <= limit)
+    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * torch.finfo(dtype).bits // 8
+    stages = max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+    return GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
 
 
 def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -68,8 +78,8 @@ def _pipeline(topk_ids: torch.Tensor, expert_weights: torch.Tensor, x: torch.Ten
     T, K = topk_ids.shape
     E_local, two_i, H = w13.shape
     I = two_i // 2
-    cfg = config or choose_config(T, K, E_local)
-    seg = build_segments(local_expert_of_slot(topk_ids, local_expert_offset), E_local, cfg.block_m)
+    cfg = config or choose_config(T, K, E_local, x.dtype)
+    seg = build_segments_triton(topk_ids, E_local, cfg.block_m, offset=local_expert_offset)
     R1 = permuted_rows(T, K, num_experts, cfg.block_m, I)
     R2 = permuted_rows(T, K, num_experts, cfg.block_m, H)
     act = torch.empty(R1, I, dtype=x.dtype, device=x.device)
@@ -116,7 +126,7 @@ def _routed_moe_fake(topk_ids, expert_weights, hidden_states, w13, w2, num_exper
                      gemm1_lora_delta, do_finalize):
     T, K = topk_ids.shape
     E_local, two_i, H = w13.shape
-    tile = choose_config(T, K, E_local).block_m
+    tile = choose_config(T, K, E_local, hidden_states.dtype).block_m
     x = hidden_states
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
