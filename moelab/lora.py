@@ -10,8 +10,8 @@ Index arrays, by name:
     lora_ids      int [T]      adapter slot of token t, -1 for none
     slot          t*K + k      expanded index; row of the [T*K, ...] views of the outputs and of ``act``
     segments      :class:`moelab.permutation.Segments` of the slots grouped by (adapter, local expert), plus one
-                  last group of the slots whose delta is zero; build it once with :func:`lora_segments` and pass
-                  it to both deltas of a layer
+                  last group of the slots whose delta is zero, or None for a small batch (the kernel then runs
+                  one program per slot); get it once with :func:`lora_segments`, pass it to both deltas
 
 Each delta validates, allocates, then launches the fused Triton kernel of ``moelab/kernels/lora.py`` when
 Triton can run on the device (a CUDA GPU, or the interpreter on CPU), else runs the torch fallback below,
@@ -26,12 +26,14 @@ import os
 
 import torch
 
-from moelab import _checks
+from moelab import _checks, _runtime
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
+from moelab.kernels.segments import build_segments_triton
 from moelab.ops import _use_triton
 from moelab.permutation import Segments, build_segments
 
-__all__ = ["LoRABank", "lora_scaling", "lora_segments", "w13_lora_delta", "w2_lora_delta"]
+__all__ = ["LoRABank", "lora_scaling", "lora_segments", "build_lora_segments", "w13_lora_delta", "w2_lora_delta",
+           "per_slot"]
 
 _BANK_FORMAT = "moelab.LoRABank/1"
 #: (name, shape of one slot in the bank as a function of (E_local, H, I, r)), in the order of ``set``.
@@ -189,21 +191,34 @@ class LoRABank:
 
 # ---------------------------------------------------------------------------------------------- segments
 
+#: The Triton kernel runs one program per slot (finding each slot's group itself, nothing sorted) while the A and B
+#: bytes those programs stream, ``T*K * r * 3(H + I) * itemsize``, stay under this budget; above it the slots are
+#: grouped into segments so each (adapter, expert) pair is read once per tile. Measured on an H200 at
+#: Qwen3-30B-A3B shapes, rank 16, 4 adapters (CUDA graphs, both deltas): building segments costs a fixed
+#: ~100-200 us (about 25 small torch launches), streaming per slot ~0.065 us a slot (270 KB each); per slot won
+#: at T=256 (138 vs 192 us, 0.55 GB), lost at T=512 (259 vs 205 us, 1.1 GB); the lines cross near 0.85 GB.
+PER_SLOT_MAX_BYTES = 800 * 2**20
+
+
+def per_slot(num_slots: int, bank: LoRABank) -> bool:
+    """True when the Triton kernel should run one program per slot instead of grouped tiles (see above)."""
+    h, i = bank.hidden_size, bank.intermediate_size
+    return num_slots * bank.max_rank * 3 * (h + i) * bank.gate_a.element_size() <= PER_SLOT_MAX_BYTES
+
+
 def _block_m(num_slots: int, num_local_experts: int) -> int:
-    """Rows per tile: ~slots per expert, clamped to [16, 64] (16 is tl.dot's minimum; 64 keeps a tile's
-    expand accumulator [64, 128] fp32 in registers with 4 warps)."""
+    """Rows per tile: ~slots per expert, clamped to [16, 64] (16 is tl.dot's minimum; 64 measured best at
+    T=16384 against 32 and 128)."""
     per_expert = -(-num_slots // num_local_experts)
     return min(max(1 << max(0, (per_expert - 1).bit_length()), 16), 64)
 
 
-def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
-                  local_expert_offset: int = 0) -> Segments:
+def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
+                        local_expert_offset: int = 0) -> Segments:
     """Group the T*K slots by (adapter, local expert), tile-aligned, on the device (no host sync).
 
     Group ``lora_id * E_local + e`` for a local slot whose token has an adapter in ``[0, L)``; every other slot
-    goes to the last group ``L * E_local``, whose tiles the kernel fills with zeros. Both deltas of a layer
-    group the same way: build this once and pass it as ``segments=`` to :func:`w13_lora_delta` and
-    :func:`w2_lora_delta`. Arguments are those of :func:`w13_lora_delta` (not validated here).
+    goes to the last group ``L * E_local``, whose tiles the kernel fills with zeros.
     """
     L, E_local = bank.max_loras, bank.num_local_experts
     T, K = topk_ids.shape
@@ -212,7 +227,22 @@ def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank
     adapter = lora_ids.long()[:, None]
     live = (expert >= 0) & (expert < E_local) & (adapter >= 0) & (adapter < L)
     group = torch.where(live, adapter * E_local + expert, zero_group)
-    return build_segments(group.flatten(), zero_group + 1, _block_m(T * K, E_local))
+    if not _runtime.triton_can_run(group.device):
+        return build_segments(group.flatten(), zero_group + 1, _block_m(T * K, E_local))
+    return build_segments_triton(group.flatten(), zero_group + 1, _block_m(T * K, E_local))  # one launch if small
+
+
+def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
+                  local_expert_offset: int = 0) -> Segments | None:
+    """The grouping both deltas of a layer share: build it once, pass it as ``segments=`` to each.
+
+    None for a small batch (:func:`per_slot`; T up to ~390 at Qwen3-30B-A3B shapes): the Triton kernel then
+    runs one program per slot and needs no grouping. Otherwise :func:`build_lora_segments`. Arguments as in
+    :func:`w13_lora_delta` (not validated here).
+    """
+    if per_slot(topk_ids.numel(), bank):
+        return None
+    return build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
 
 
 # ---------------------------------------------------------------------------------------------- torch fallback
@@ -285,22 +315,21 @@ def _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, vali
 
 def _run(x, a_banks, b_banks, out, topk_ids, lora_ids, bank, local_expert_offset, segments, use_triton, *,
          slots_per_input_row, weight=None):
-    device = out.device
     if out.numel() == 0:
         return out
-    if segments is None:
-        segments = lora_segments(topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
-    zero_group = bank.max_loras * bank.num_local_experts
     out2d = out.view(out.shape[0] * out.shape[1], -1)
-    if not _use_triton(device, use_triton):
+    triton_path = _use_triton(out.device, use_triton)
+    if segments is None and not (triton_path and per_slot(topk_ids.numel(), bank)):
+        segments = build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
+    if not triton_path:
         lora_shrink_expand_torch(x, a_banks, b_banks, out2d, segments, slots_per_input_row=slots_per_input_row,
-                                 zero_group=zero_group, weight=weight)
+                                 zero_group=bank.max_loras * bank.num_local_experts, weight=weight)
         return out
     from moelab.kernels.lora import lora_shrink_expand_triton
 
-    lora_shrink_expand_triton(x, a_banks, b_banks, out2d, segments.row_to_slot, segments.block_group,
-                              block_m=segments.tile, slots_per_input_row=slots_per_input_row,
-                              zero_group=zero_group, weight=weight)
+    lora_shrink_expand_triton(x, a_banks, b_banks, out2d, segments, topk_ids=topk_ids, lora_ids=lora_ids,
+                              local_expert_offset=local_expert_offset, slots_per_input_row=slots_per_input_row,
+                              weight=weight)
     return out
 
 

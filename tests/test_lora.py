@@ -12,12 +12,25 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import moelab.lora
 from moelab import reference
-from moelab.lora import LoRABank, lora_scaling, lora_segments, w2_lora_delta, w13_lora_delta
+from moelab.lora import LoRABank, build_lora_segments, lora_scaling, lora_segments, w2_lora_delta, w13_lora_delta
 from tests.helpers import assert_close_to_reference, poison, random_topk_ids, random_weights
 
-PATHS = [pytest.param(True, id="triton"), pytest.param(False, id="torch")]
+PATHS = [
+    pytest.param("segments", id="triton-segments"),  # Triton, slots grouped by (adapter, expert) into tiles
+    pytest.param("per-slot", id="triton-per-slot"),  # Triton, one program per slot, no grouping (decode)
+    pytest.param("torch", id="torch"),  # the torch fallback (always grouped)
+]
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+
+
+@pytest.fixture
+def use_triton(request, monkeypatch):
+    """The ``path`` parameter as the deltas' ``use_triton``, with the per-slot threshold set to force it."""
+    path = request.param
+    monkeypatch.setattr(moelab.lora, "PER_SLOT_MAX_BYTES", 2**62 if path == "per-slot" else -1)
+    return path != "torch"
 
 
 def random_adapter(E: int, H: int, I: int, r: int, *, zero: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -75,7 +88,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_deltas_match_reference(case: Case, dtype, use_triton, device):
@@ -107,7 +120,7 @@ def test_deltas_match_reference(case: Case, dtype, use_triton, device):
     assert torch.equal(got2[zero], torch.zeros_like(got2[zero]))
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
 def test_all_tokens_without_adapter_give_exact_zeros(use_triton, device):
     # every slot falls in the zero group: the kernel's zero-store branch writes the whole (poisoned) output
     T, K, E, H, I = 7, 2, 4, 24, 40
@@ -123,7 +136,7 @@ def test_all_tokens_without_adapter_give_exact_zeros(use_triton, device):
     assert torch.equal(out2, torch.zeros_like(out2))
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
 def test_empty_batch(use_triton, device):
     # T = 0: empty results of the right shape, nothing launched
     bank = make_bank(1, 2, 16, 8, 16, (4,), torch.float32, device=device)
@@ -134,7 +147,7 @@ def test_empty_batch(use_triton, device):
     assert d13.shape == (0, 2, 16) and d2.shape == (0, 2, 16)
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
 @pytest.mark.parametrize("zeroed, zero_cols", [
     (("up_a", "up_b"), slice(0, 24)),  # up is the FIRST half of the delta (FlashInfer order, the "swap")
     (("gate_a", "gate_b"), slice(24, 48)),  # gate is the second half
@@ -152,20 +165,21 @@ def test_w13_delta_is_up_then_gate(zeroed, zero_cols, use_triton, device):
 
 
 def test_shared_segments_give_the_same_deltas(device):
-    # one lora_segments grouping passed to both deltas (what a layer does) changes nothing
+    # one grouping passed to both deltas (what a layer does) matches the per-slot kernel, bit for bit
     T, K, E, H, I = 11, 3, 4, 32, 24
     bank = make_bank(3, E, H, I, 16, (16, 4, 9), torch.bfloat16, device=device)
     x, act = torch.randn(T, H, device=device).bfloat16(), torch.randn(T * K, I, device=device).bfloat16()
     topk_ids, w = random_topk_ids(T, K, E, device=device), random_weights(T, K, device=device)
     lora_ids = torch.randint(-1, 3, (T,), device=device)
-    segments = lora_segments(topk_ids, lora_ids, bank)
+    assert lora_segments(topk_ids, lora_ids, bank) is None  # 33 slots: the kernel needs no grouping
+    segments = build_lora_segments(topk_ids, lora_ids, bank)
     assert torch.equal(w13_lora_delta(x, topk_ids, lora_ids, bank, segments=segments),
                        w13_lora_delta(x, topk_ids, lora_ids, bank))
     assert torch.equal(w2_lora_delta(act, topk_ids, w, lora_ids, bank, segments=segments),
                        w2_lora_delta(act, topk_ids, w, lora_ids, bank))
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
 def test_unvalidated_id_outside_bank_gives_zero_rows(use_triton, device):
     # validate=False (CUDA graphs): an id >= L reads no memory out of the bank and yields zero rows
     T, K, E, H, I = 4, 2, 3, 16, 16
@@ -178,9 +192,11 @@ def test_unvalidated_id_outside_bank_gives_zero_rows(use_triton, device):
 
 
 @given(T=st.integers(0, 9), E=st.integers(1, 5), data=st.data(), L=st.integers(1, 3),
-       max_rank=st.sampled_from([1, 8, 20]), H=st.integers(1, 40), I=st.integers(1, 40), seed=st.integers(0, 999))
-def test_triton_deltas_property(T, E, data, L, max_rank, H, I, seed):
-    # random sizes (1-wide H or I, rank 1, rank 20 -> BLOCK_R 32), EP offsets and adapters; fp32, Triton path
+       max_rank=st.sampled_from([1, 8, 20]), H=st.integers(1, 40), I=st.integers(1, 40), seed=st.integers(0, 999),
+       grouped=st.booleans())
+def test_triton_deltas_property(T, E, data, L, max_rank, H, I, seed, grouped):
+    # random sizes (1-wide H or I, rank 1, rank 20 -> BLOCK_R 32), EP offsets and adapters; fp32, Triton path,
+    # grouped into segments or one program per slot
     K = data.draw(st.integers(1, E))
     E_local = data.draw(st.integers(1, E))
     offset = data.draw(st.integers(0, E - E_local))
@@ -192,8 +208,9 @@ def test_triton_deltas_property(T, E, data, L, max_rank, H, I, seed):
     topk_ids = random_topk_ids(T, K, E, generator=g, device=dev)
     lora_ids = torch.randint(-1, L, (T,), generator=g).to(dev)
     w = random_weights(T, K, generator=g, device=dev)
-    d13 = w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=offset, use_triton=True)
-    d2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank, local_expert_offset=offset, use_triton=True)
+    seg = build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=offset) if grouped else None
+    d13 = w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=offset, segments=seg, use_triton=True)
+    d2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank, local_expert_offset=offset, segments=seg, use_triton=True)
     ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=offset)
     ref2 = reference.w2_lora_delta(act, topk_ids, w, lora_ids, bank, local_expert_offset=offset)
     if ref13.abs().sum() > 0:
@@ -318,7 +335,7 @@ def _set(slot=0, **over):
     (_w13(local_expert_offset=-1), ValueError, "local_expert_offset"),
     (_w13(bank=object()), TypeError, "bank.*LoRABank"),
     (_w13(out=torch.empty(T_, K_, I_)), ValueError, "out.*shape"),  # [T, K, I] instead of [T, K, 2I]
-    (_w13(segments=lora_segments(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1), _bank())), ValueError,
+    (_w13(segments=build_lora_segments(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1), _bank())), ValueError,
      "segments"),  # grouping of another batch
     (_w2(act=torch.randn(T_, I_)), ValueError, r"act.*expected shape \[6, 8\]"),  # [T, I] instead of [T*K, I]
     (_w2(topk_weights=torch.rand(T_, K_ + 1)), ValueError, "topk_weights.*shape"),
@@ -333,7 +350,7 @@ def test_bad_input_raises_naming_the_argument(call, error, match):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
 def test_validate_false_has_no_host_sync_and_captures_in_a_cuda_graph(use_triton):
     dev = torch.device("cuda")
     T, K, E, H, I = 64, 4, 8, 256, 128

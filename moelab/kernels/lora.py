@@ -12,6 +12,11 @@ Every row of a tile shares one (adapter, expert) pair, so a program reads that p
 BLOCK_M slots (punica's "segmented" GEMV turned into a tiny grouped GEMM; scattermoe: a LoRA expert is a
 rank-r expert routed like any other).
 
+Small batches skip the grouping (``PER_SLOT``): program s takes slot s alone, reads its adapter and expert
+itself, and streams that pair's A and B. Grouping costs ~25 small torch launches (~100-180 us of a CUDA graph
+on an H200), per-slot streaming ~0.065 us a slot at Qwen3-30B-A3B shapes, so decode runs per slot
+(``moelab.lora.per_slot`` picks; both deltas at T=1: 21 us per slot, 123 us grouped).
+
 Why one fused kernel and not a shrink launch + an expand launch. Per tile, in elements (S slices, r the
 rank, D_in/D_out the input/output widths; W13: S=2, D_in=H, D_out=I; W2: S=1, D_in=I, D_out=H):
 
@@ -24,12 +29,14 @@ At Qwen3-30B-A3B (H=2048, I=768, r=16, K=8), T=16384, bf16: the W13 delta writes
 gathers x rows for T*K*H*2 B = 537 MB; a split shrink/expand adds 8 MB of rank vectors to HBM plus ~100 MB of
 L2 re-reads (12 N blocks) and one launch (~3 us); a grid over N blocks re-reads x 12 times (6.4 GB through L2)
 and adds 12x the shrink FLOPs (+16% of the base layer's FLOPs). The fused kernel moves the minimum: each x row,
-each A and B tile and each output element once per tile. Its cost is less parallelism at decode (one program
-per (adapter, expert) pair present), where the time is launch-bound anyway.
+each A and B tile and each output element once per tile. Its cost is less parallelism per program, which only
+matters at decode, where the per-slot mode spreads the slots over the SMs. Measured on an H200 at T=16384
+(CUDA events): W13 216 us (940 MB moved: 4.3 TB/s, the copy ceiling), W2 219 us (738 MB: 3.4 TB/s); among
+BLOCK_K, BLOCK_N in {64, 128, 256}, BLOCK_M in {32, 64, 128}, 4 or 8 warps, 2-4 stages none was 2% faster.
 
 Zeros: the output is allocated with ``torch.empty`` and every slot is written exactly once, because the
 slots without a delta (no adapter, non-local expert) form the extra ``zero_group`` whose tiles store zeros
-without reading x, A or B. A ``torch.zeros`` output would write those 403 MB twice (once zero, once the
+without reading x, A or B. A ``torch.zeros`` output would write all 403 MB twice (the fill, then the
 delta) and cost one more launch; here the zero rows cost only their own store.
 
 Precision (SPEC §5, vLLM's ``fused_moe_lora``): the shrink accumulates in fp32 and the rank vector is rounded
@@ -48,6 +55,7 @@ import triton.language as tl
 
 from moelab import _runtime
 from moelab.kernels._common import to_output
+from moelab.permutation import Segments
 
 __all__ = ["lora_shrink_expand_triton"]
 
@@ -82,8 +90,9 @@ def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
 @triton.jit
 def _lora_shrink_expand_kernel(
     x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, out_ptr, weight_ptr, row_to_slot_ptr, block_group_ptr,
+    topk_ids_ptr, lora_ids_ptr, top_k, local_expert_offset, num_local_experts, max_loras,
     stride_x_row, slots_per_input_row, D_in, D_out, rank, zero_group,
-    NUM_SLICES: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    NUM_SLICES: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SLOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -91,11 +100,20 @@ def _lora_shrink_expand_kernel(
 
     x [*, D_in] (row of slot s: s // slots_per_input_row); A banks [G, rank, D_in]; B banks [G, D_out, rank];
     out [N, NUM_SLICES * D_out], slice j in columns [j*D_out, (j+1)*D_out); weight [N] (MUL_WEIGHT).
+    PER_SLOT: program s takes slot s alone (row 0 of its tile) and finds its group from topk_ids [N] and
+    lora_ids [T] itself, so no segments are built (the decode path).
     """
     pid = tl.program_id(0)
-    group = tl.load(block_group_ptr + pid)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(row_to_slot_ptr + offs_m)
+    offs_m = tl.arange(0, BLOCK_M)
+    if PER_SLOT:
+        adapter = tl.load(lora_ids_ptr + pid // top_k).to(tl.int32)
+        expert = tl.load(topk_ids_ptr + pid).to(tl.int32) - local_expert_offset
+        live = (adapter >= 0) & (adapter < max_loras) & (expert >= 0) & (expert < num_local_experts)
+        group = tl.where(live, adapter * num_local_experts + expert, zero_group)
+        slot = tl.where(offs_m == 0, pid, -1)
+    else:
+        group = tl.load(block_group_ptr + pid)
+        slot = tl.load(row_to_slot_ptr + pid * BLOCK_M + offs_m)
     row_mask = slot >= 0
     slot64 = tl.where(row_mask, slot, 0).to(tl.int64)
     width = NUM_SLICES * D_out
@@ -151,8 +169,8 @@ def _lora_shrink_expand_kernel(
 
 
 def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
-                              out: torch.Tensor, row_to_slot: torch.Tensor, block_group: torch.Tensor, *,
-                              block_m: int, slots_per_input_row: int, zero_group: int,
+                              out: torch.Tensor, segments: Segments | None, *, topk_ids: torch.Tensor,
+                              lora_ids: torch.Tensor, local_expert_offset: int, slots_per_input_row: int,
                               weight: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the fused kernel; arguments are already validated by :mod:`moelab.lora`.
 
@@ -161,22 +179,34 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
         a_banks: 1 or 2 contiguous A banks [L, E_local, rank, D_in] (slice order = output column order).
         b_banks: the matching contiguous B banks [L, E_local, D_out, rank].
         out: contiguous [N, len(a_banks) * D_out], every row written.
-        row_to_slot, block_group: int32 from ``build_segments(..., tile=block_m)``.
+        segments: from :func:`moelab.lora.lora_segments` (tile = BLOCK_M), or None for one program per slot.
+        topk_ids: int [T, K]; lora_ids: int [T]; local_expert_offset: the EP window's first global id.
         weight: [N] float, multiplied in fp32 (W2), or None.
     """
     num_slices = len(a_banks)
-    rank, d_in = a_banks[0].shape[-2], a_banks[0].shape[-1]
+    max_loras, num_local_experts, rank, d_in = a_banks[0].shape
     d_out = b_banks[0].shape[-2]
-    num_tiles = row_to_slot.numel() // block_m
-    if num_tiles == 0:
+    num_slots = out.shape[0]
+    per_slot = segments is None
+    if per_slot:
+        # Decode: every program streams one (adapter, expert) pair's A and B; wide tiles keep more bytes in
+        # flight per SM (BLOCK_K = BLOCK_N = 256 measured fastest on an H200 at T=1).
+        grid, block_m, block_k, block_n = num_slots, 16, 256, 256
+        row_to_slot = block_group = out  # unused
+    else:
+        grid, block_m = segments.row_to_slot.numel() // segments.tile, segments.tile
+        block_k, block_n = 128, 128  # measured best at T=16384 among BLOCK_K, BLOCK_N in {64, 128, 256}
+        row_to_slot, block_group = segments.row_to_slot, segments.block_group
+    if grid == 0:
         return out
     fp32_operands = x.dtype == torch.float32 or _runtime.INTERPRET
     a1, b1 = (a_banks[1], b_banks[1]) if num_slices == 2 else (a_banks[0], b_banks[0])
-    _lora_shrink_expand_kernel[(num_tiles,)](
+    _lora_shrink_expand_kernel[(grid,)](
         x, a_banks[0], a1, b_banks[0], b1, out, weight if weight is not None else out, row_to_slot, block_group,
-        x.stride(0), slots_per_input_row, d_in, d_out, rank, zero_group,
-        NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None,
-        BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, 128), BLOCK_N=_pow2_block(d_out, 16, 128),
+        topk_ids.contiguous(), lora_ids.contiguous(), topk_ids.shape[1], local_expert_offset, num_local_experts,
+        max_loras, x.stride(0), slots_per_input_row, d_in, d_out, rank, max_loras * num_local_experts,
+        NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None, PER_SLOT=per_slot,
+        BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, block_k), BLOCK_N=_pow2_block(d_out, 16, block_n),
         BLOCK_R=_pow2_block(rank, 16, 1 << 30),
         DOT_F32=_runtime.INTERPRET and x.dtype != torch.float32,
         INPUT_PRECISION="ieee" if fp32_operands else "tf32",
