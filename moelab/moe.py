@@ -51,11 +51,15 @@ class MoEWeights:
 
 @dataclass
 class RoutedMoECall:
-    """A validated ``routed_moe`` call as a backend receives it."""
+    """A validated ``routed_moe`` call as a backend receives it.
+
+    ``topk_ids`` / ``expert_weights`` decode packed routing on first use only: the triton backend reads the
+    packed words in its kernels and never pays for the decode (five small launches) unless it must return
+    ``expert_weights``.
+    """
 
     topk: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # exactly what the caller passed
-    topk_ids: torch.Tensor  # int32 [T, K], global ids
-    expert_weights: torch.Tensor  # [T, K]: bf16 decoded (packed input) or the caller's tensor (tuple input)
+    packed: torch.Tensor | None  # int32 [T, K] contiguous routing words, or None for tuple input
     hidden_states: torch.Tensor  # [T, H]
     weights: MoEWeights
     num_experts: int
@@ -64,6 +68,25 @@ class RoutedMoECall:
     gemm1_lora_delta: torch.Tensor | None  # [T, K, 2I] [up, gate]
     do_finalize: bool
     output: torch.Tensor | None  # [T, H]
+    _decoded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._decoded is None:
+            if self.packed is not None:
+                self._decoded = unpack_topk_ids_weights(self.packed)
+            else:
+                self._decoded = (self.topk[0].to(torch.int32).contiguous(), self.topk[1])
+        return self._decoded
+
+    @property
+    def topk_ids(self) -> torch.Tensor:
+        """int32 [T, K], global ids."""
+        return self._decode()[0]
+
+    @property
+    def expert_weights(self) -> torch.Tensor:
+        """[T, K]: bf16 decoded (packed input) or the caller's own tensor (tuple input)."""
+        return self._decode()[1]
 
 
 @dataclass
@@ -181,12 +204,12 @@ def _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_off
         ids, expert_weights = topk
         check_tensor("topk[0] (ids)", ids, dtypes=INT_DTYPES, shape=(T, top_k))
         check_tensor("topk[1] (weights)", expert_weights, dtypes=FLOAT_DTYPES, shape=(T, top_k))
-        ids = ids.to(torch.int32)
+        packed = None
+        _checks.check_same_device(weights=weights.gemm1_weights, topk_ids=ids, expert_weights=expert_weights)
     else:
         check_tensor("topk", topk, dtypes=(torch.int32,), shape=(T, top_k))
-        ids, expert_weights = unpack_topk_ids_weights(topk)
-    if validate:
-        _checks.check_expert_ids("topk (expert ids)", ids, num_experts)
+        packed = topk.contiguous()
+        _checks.check_same_device(weights=weights.gemm1_weights, topk=packed)
     if gemm1_lora_delta is not None:
         check_tensor("gemm1_lora_delta", gemm1_lora_delta, dtypes=(weights.dtype,), shape=(T, top_k, 2 * I))
         _checks.check_contiguous("gemm1_lora_delta", gemm1_lora_delta)
@@ -195,7 +218,10 @@ def _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_off
             raise ValueError("output: only written when do_finalize=True; pass output=None")
         check_tensor("output", output, dtypes=(weights.dtype,), shape=(T, H))
         _checks.check_contiguous("output", output)
-    _checks.check_same_device(weights=weights.gemm1_weights, hidden_states=hidden_states, topk_ids=ids,
-                              expert_weights=expert_weights, gemm1_lora_delta=gemm1_lora_delta, output=output)
-    return RoutedMoECall(topk, ids.contiguous(), expert_weights, hidden_states.contiguous(), weights,
-                         num_experts, top_k, local_expert_offset, gemm1_lora_delta, do_finalize, output)
+    _checks.check_same_device(weights=weights.gemm1_weights, hidden_states=hidden_states,
+                              gemm1_lora_delta=gemm1_lora_delta, output=output)
+    call = RoutedMoECall(topk, packed, hidden_states.contiguous(), weights, num_experts, top_k, local_expert_offset,
+                         gemm1_lora_delta, do_finalize, output)
+    if validate:
+        _checks.check_expert_ids("topk (expert ids)", call.topk_ids, num_experts)
+    return call

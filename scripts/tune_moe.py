@@ -69,12 +69,13 @@ def main():
             x = torch.randn(T, H, device=dev).bfloat16()
             ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices.int()
             w = torch.rand(T, K, device=dev) + 0.1
-            sets.append((ids, moelab.unpack_topk_ids_weights(moelab.pack_topk_ids_weights(ids, w))[1], x))
+            sets.append((moelab.pack_topk_ids_weights(ids, w), None, x))  # packed words, as vLLM passes them
         ids, ew, x = sets[0]
-        ref = moelab.routed_moe((ids, ew), x, Wt, num_experts=E, top_k=K)[0].float() if T <= 4096 else None
-        seg_ms = triton.testing.do_bench(lambda ids=ids: build_segments(local_expert_of_slot(ids, 0), E, 64),
+        ref = moelab.routed_moe(ids, x, Wt, num_experts=E, top_k=K)[0].float() if T <= 4096 else None
+        seg_ms = triton.testing.do_bench(lambda ids=ids: build_segments(local_expert_of_slot(ids >> 16, 0), E, 64),
                                          return_mode="median")
-        seg_tr_ms = triton.testing.do_bench(lambda ids=ids: build_segments_triton(ids, E, 16), return_mode="median")
+        seg_tr_ms = triton.testing.do_bench(lambda ids=ids: build_segments_triton(ids, E, 16, packed=True),
+                                             return_mode="median")
         print(f"T={T} segments torch {seg_ms*1e3:.1f} us, triton {seg_tr_ms*1e3:.1f} us", flush=True)
         results = []
         start = time.time()

@@ -70,16 +70,21 @@ def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return _runtime.INTERPRET or dtype == torch.float32, "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pipeline(topk_ids: torch.Tensor, expert_weights: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
+def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
               config: GemmConfig | None = None) -> tuple[torch.Tensor, ...]:
-    """Segments -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act)."""
-    T, K = topk_ids.shape
+    """Segments -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
+
+    ``routing``: int32 [T, K] packed words when ``expert_weights`` is None (the kernels decode them), else
+    the int32 ids beside the caller's ``expert_weights``.
+    """
+    packed = expert_weights is None
+    T, K = routing.shape
     E_local, two_i, H = w13.shape
     I = two_i // 2
     cfg = config or choose_config(T, K, E_local, x.dtype)
-    seg = build_segments_triton(topk_ids, E_local, cfg.block_m, offset=local_expert_offset)
+    seg = build_segments_triton(routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed)
     R1 = permuted_rows(T, K, num_experts, cfg.block_m, I)
     R2 = permuted_rows(T, K, num_experts, cfg.block_m, H)
     act = torch.empty(R1, I, dtype=x.dtype, device=x.device)
@@ -106,31 +111,32 @@ def _pipeline(topk_ids: torch.Tensor, expert_weights: torch.Tensor, x: torch.Ten
     if do_finalize:
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
-        finalize_triton(output, gemm2, expert_weights, seg.slot_to_row, None)
+        finalize_triton(output, gemm2, routing if packed else expert_weights, seg.slot_to_row, None,
+                        packed_weights=packed)
     else:
         output = x.new_empty(T, 0)  # FlashInfer's placeholder when nothing is finalized
     return output, gemm2, seg.slot_to_row, act
 
 
 @torch.library.custom_op("moelab::triton_routed_moe", mutates_args=())
-def _routed_moe_op(topk_ids: torch.Tensor, expert_weights: torch.Tensor, hidden_states: torch.Tensor,
+def _routed_moe_op(routing: torch.Tensor, expert_weights: torch.Tensor | None, hidden_states: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, num_experts: int, local_expert_offset: int,
                    gemm1_lora_delta: torch.Tensor | None, do_finalize: bool) -> list[torch.Tensor]:
     """The whole pipeline as one opaque op, so torch.compile traces through it (see :func:`routed_moe`)."""
-    return list(_pipeline(topk_ids, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
+    return list(_pipeline(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
                           gemm1_lora_delta, do_finalize))
 
 
 @_routed_moe_op.register_fake
-def _routed_moe_fake(topk_ids, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
+def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
                      gemm1_lora_delta, do_finalize):
-    T, K = topk_ids.shape
+    T, K = routing.shape
     E_local, two_i, H = w13.shape
     tile = choose_config(T, K, E_local, hidden_states.dtype).block_m
     x = hidden_states
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
-            topk_ids.new_empty(T * K, dtype=torch.int32),
+            routing.new_empty(T * K, dtype=torch.int32),
             x.new_empty(permuted_rows(T, K, num_experts, tile, two_i // 2), two_i // 2)]
 
 
@@ -138,7 +144,9 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     """Eager calls run the pipeline directly (no dispatcher overhead, ``output`` written in place); under
     ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``."""
     W = call.weights
-    args = (call.topk_ids, call.expert_weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
+    routing = call.packed if call.packed is not None else call.topk_ids
+    weights = None if call.packed is not None else call.expert_weights
+    args = (routing, weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
             call.num_experts, call.local_expert_offset, call.gemm1_lora_delta, call.do_finalize)
     if torch.compiler.is_compiling():
         output, gemm2, e2p, act = _routed_moe_op(*args)

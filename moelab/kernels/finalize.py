@@ -20,7 +20,7 @@ from moelab.kernels._common import to_output
 def _finalize_kernel(
     out_ptr, gemm2_ptr, weights_ptr, e2p_ptr, delta_ptr, scale,
     H, top_k, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,
-    HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, PACKED_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -29,7 +29,11 @@ def _finalize_kernel(
     for k in range(0, top_k):
         row = tl.load(e2p_ptr + t * top_k + k)
         if row >= 0:  # non-local slots contribute nothing (and their rows are never read)
-            w = tl.load(weights_ptr + t * stride_w_t + k).to(tl.float32)
+            if PACKED_WEIGHTS:  # the low half of the routing word is the bf16 weight: widen it exactly
+                word = tl.load(weights_ptr + t * stride_w_t + k)
+                w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            else:
+                w = tl.load(weights_ptr + t * stride_w_t + k).to(tl.float32)
             y = tl.load(gemm2_ptr + row.to(tl.int64) * stride_gemm2_r + cols, mask=col_ok, other=0.0)
             acc += w * y.to(tl.float32)
     if HAS_SCALE:
@@ -44,8 +48,11 @@ def _finalize_kernel(
 
 
 def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
-                    e2p: torch.Tensor, w2_delta: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
-    """Launch :func:`_finalize_kernel` (inputs already validated by ``moelab.ops.finalize_with_w2_lora``)."""
+                    e2p: torch.Tensor, w2_delta: torch.Tensor | None, scale: float = 1.0, *,
+                    packed_weights: bool = False) -> torch.Tensor:
+    """Launch :func:`_finalize_kernel` (inputs already validated by ``moelab.ops.finalize_with_w2_lora``).
+
+    ``packed_weights``: ``expert_weights`` holds int32 routing words whose low halves are the bf16 weights."""
     T, H = output.shape
     K = expert_weights.shape[1]
     if T == 0:
@@ -57,7 +64,7 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
         output, gemm2_output, expert_weights, e2p, delta, float(scale),
         H, K, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
         delta.stride(0) if w2_delta is not None else 0, delta.stride(1) if w2_delta is not None else 0,
-        HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, BLOCK_H=block_h,
+        HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights, BLOCK_H=block_h,
         num_warps=4 if block_h >= 512 else 1,
     )
     return output
