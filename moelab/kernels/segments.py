@@ -11,6 +11,9 @@ Triton launches instead of about two dozen small torch kernels; on the H200 the 
     scatter  one program per chunk: sort the chunk by (group, slot), then
              row = seg_start[g] + chunk_base[chunk, g] + (position in sorted chunk - chunk_bin_start[chunk, g])
 
+Up to one chunk (1024 slots: every decode batch) a single program does all three steps, because on the H200
+each launch costs tens of microseconds of host time, more than the work.
+
 Rows inside a group follow the slot (= token) order: deterministic, no atomics, no host sync. A slot whose
 ``value - offset`` is outside ``[0, G)`` belongs to no group (row -1).
 """
@@ -91,6 +94,36 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
     tl.store(row_to_slot_ptr + row, slot, mask=in_group)
 
 
+@triton.jit
+def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
+                               num_slots, offset, num_groups, num_rows, num_blocks,
+                               TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
+                               CB: tl.constexpr):
+    lane = tl.arange(0, CHUNK)
+    bins = tl.arange(0, G_BINS)
+    g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED)
+    hist = tl.histogram(g, G_BINS)
+    padded = (tl.where(bins < num_groups, hist, 0) + TILE - 1) // TILE * TILE
+    seg_end = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    # row of the j-th slot of group g in sorted order = seg_start[g] + j - (slots of groups < g) =: row_base[g] + j
+    tl.store(scratch_ptr + bins, (seg_end - padded) - (tl.cumsum(hist, axis=0) - hist))
+    for b0 in range(0, num_blocks, CB):
+        blocks = b0 + tl.arange(0, CB)
+        ends_before = (seg_end[None, :] <= (blocks * TILE)[:, None]) & (bins[None, :] < num_groups)
+        group = tl.sum(ends_before.to(tl.int32), axis=1)
+        tl.store(block_group_ptr + blocks, tl.where(blocks * TILE < total, group, -1), mask=blocks < num_blocks)
+    for r0 in range(0, num_rows, CHUNK):
+        tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < num_rows)
+    tl.debug_barrier()  # row_base visible to every thread, and the -1 fill done before the live rows land
+    order = tl.sort(g * CHUNK + lane)
+    g_sorted, slot = order // CHUNK, order % CHUNK
+    in_group = g_sorted < num_groups
+    row = tl.where(in_group, tl.load(scratch_ptr + g_sorted) + lane, -1)
+    tl.store(slot_to_row_ptr + slot, row, mask=slot < num_slots)
+    tl.store(row_to_slot_ptr + row, slot, mask=in_group)
+
+
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
                           packed: bool = False) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in three Triton launches.
@@ -111,16 +144,23 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
     chunk = min(1024, triton.next_power_of_2(n))
     num_chunks = triton.cdiv(n, chunk)
-    work = torch.empty(3 * num_chunks * g_bins + g_bins, dtype=torch.int32, device=device)
-    hist, chunk_bin_start, chunk_base, seg_start = work.split([num_chunks * g_bins] * 3 + [g_bins])
-    slot_to_row = torch.empty(n, dtype=torch.int32, device=device)
-    row_to_slot = torch.full((rows,), -1, dtype=torch.int32, device=device)  # padding rows stay -1
-    block_group = torch.empty(rows // tile, dtype=torch.int32, device=device)
     warps = 4 if chunk >= 256 else 1
+    cb = max(1, 4096 // g_bins)
+    # One allocation for every output and the scratch (each allocation is host time at decode sizes).
+    scratch_size = g_bins if num_chunks == 1 else 3 * num_chunks * g_bins + g_bins
+    buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
+    slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, scratch_size])
+    if num_chunks == 1:
+        _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
+                                         num_groups, rows, rows // tile, TILE=tile, CHUNK=chunk, G_BINS=g_bins,
+                                         PACKED=packed, CB=cb, num_warps=warps)
+        return Segments(slot_to_row, row_to_slot, block_group, tile)
+    row_to_slot.fill_(-1)  # padding rows stay -1
+    hist, chunk_bin_start, chunk_base, seg_start = scratch.split([num_chunks * g_bins] * 3 + [g_bins])
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups,
                                           CHUNK=chunk, G_BINS=g_bins, PACKED=packed, num_warps=warps)
     _segments_scan_kernel[(1,)](hist, chunk_base, seg_start, block_group, num_chunks, num_groups, rows // tile,
-                                TILE=tile, G_BINS=g_bins, CB=max(1, 4096 // g_bins), num_warps=4)
+                                TILE=tile, G_BINS=g_bins, CB=cb, num_warps=4)
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, n, offset, num_groups, CHUNK=chunk, G_BINS=g_bins,
                                             PACKED=packed, num_warps=warps)
