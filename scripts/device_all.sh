@@ -3,6 +3,7 @@
 # tile sweep (its winners rewrite moelab/backends/triton_configs.json there and come back in $OUT), the
 # benchmarks with those configs, then every notebook at full size. Run from the repo root:
 #   run(command="MOELAB_COMMIT=<sha> bash scripts/device_all.sh", carry=[".whl"], timeout_s=560)
+# A step whose *_S budget is 0 is skipped (TEST_S, TUNE_S, BASE_S, LORA_S, NB_S).
 # .whl/ holds the liger-kernel wheel; .whl/nb/ papermill, ipykernel and what they need beyond the image.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -11,9 +12,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl .whl/nb/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-timeout ${TEST_S:-60} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_routed_moe.py tests/test_ops.py \
-  tests/test_experts.py 2>&1 | tail -4 | tee "$OUT/tests.log"
-timeout ${TUNE_S:-100} python3 scripts/tune_moe.py --tokens ${TUNE_T:-32,128,1024,4096} --budget-s ${TUNE_PER_T:-15} \
+[ "${TEST_S:-90}" -gt 0 ] && timeout ${TEST_S:-90} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_routed_moe.py tests/test_ops.py \
+  tests/test_experts.py tests/test_lora.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+[ "${TUNE_S:-100}" -gt 0 ] && timeout ${TUNE_S:-100} python3 scripts/tune_moe.py --tokens ${TUNE_T:-32,128,1024,4096} --budget-s ${TUNE_PER_T:-15} \
   2>&1 | grep -v failed | tee "$OUT/tune.log"
 timeout ${BASE_S:-120} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,128,1024,4096,16384 --quick \
   --time-budget $(( ${BASE_S:-120} - 15 )) --out "$OUT/bench_base.json" > "$OUT/bench_base.log" 2>&1
@@ -22,4 +23,4 @@ timeout ${LORA_S:-90} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,3
   --lora-variants "1x all,4x all" --time-budget $(( ${LORA_S:-90} - 15 )) --out "$OUT/bench_lora.json" \
   > "$OUT/bench_lora.log" 2>&1
 grep -B2 -A12 "time / base\|/ base" "$OUT/bench_lora.log" | head -30; grep -A8 "^\*\*ops" "$OUT/bench_lora.log"
-timeout ${NB_S:-130} python3 -m moelab.lab --full --out /tmp/lab 2>&1 | tail -12 | tee "$OUT/lab.log"
+[ "${NB_S:-130}" -gt 0 ] && timeout ${NB_S:-130} python3 -m moelab.lab --full --out /tmp/lab 2>&1 | tail -12 | tee "$OUT/lab.log"

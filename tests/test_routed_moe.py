@@ -107,7 +107,7 @@ def test_return_table(backend, with_delta, do_finalize, packed, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(T=st.integers(0, 24), E=st.integers(1, 12), H=st.integers(1, 40), I=st.integers(1, 40),
+@given(T=st.integers(0, 64), E=st.integers(1, 64), H=st.integers(1, 40), I=st.integers(1, 40),
        k_frac=st.floats(0, 1), seed=st.integers(0, 1000))
 def test_property_shapes(backend, T, E, H, I, k_frac, seed):
     K = max(1, round(k_frac * E))

@@ -92,17 +92,23 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
     dot_f32, precision = _dot_flags(x.dtype)
     live_blocks = seg.block_group.numel()
-    _gemm1_swiglu_kernel[(triton.cdiv(R1, cfg.block_m) * triton.cdiv(I, cfg.block_n),)](
+    # The GEMM grids cover the rows live data can reach; FlashInfer's 128 KiB floor can make a buffer taller
+    # (tiny H or I, decode): that tail is filled here instead of by thousands of do-nothing programs.
+    reach = seg.row_to_slot.numel()
+    for buf in (act, gemm2):
+        if buf.shape[0] > reach:
+            buf[reach:].fill_(dead_fill)
+    _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * triton.cdiv(I, cfg.block_n),)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
-        live_blocks, R1, H, I, K,
+        live_blocks, reach, H, I, K,
         x.stride(0), w13.stride(0), w13.stride(1), 2 * I if delta is not None else 0, act.stride(0),
         HAS_DELTA=delta is not None, DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _gemm2_kernel[(triton.cdiv(R2, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
+    _gemm2_kernel[(triton.cdiv(reach, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
         act, w2, gemm2, seg.block_group,
-        live_blocks, R2, H, I,
+        live_blocks, reach, H, I,
         act.stride(0), w2.stride(0), w2.stride(1), gemm2.stride(0),
         DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
