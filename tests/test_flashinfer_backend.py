@@ -188,7 +188,7 @@ def test_build_call_kwargs_tuple_routing(monkeypatch, experts):
 def test_build_call_kwargs_bind_to_installed_signature(experts):
     kernel = _installed_kernel()
     ids, weights = topk = _routing(packed=False)
-    call = RoutedMoECall(topk, ids, weights, torch.randn(5, H).bfloat16(), experts[1], num_experts=E, top_k=K,
+    call = RoutedMoECall(topk, None, torch.randn(5, H).bfloat16(), experts[1], num_experts=E, top_k=K,
                          local_expert_offset=0, gemm1_lora_delta=None, do_finalize=True, output=None)
     kwargs = fb.build_call_kwargs(call)
     bound = inspect.signature(kernel).bind(**kwargs)  # TypeError on a renamed, removed or missing parameter
