@@ -45,6 +45,17 @@ def expert_color(e: int):
     return plt.get_cmap("tab10")(int(e) % 10)
 
 
+def detached_figure(nrows: int = 1, ncols: int = 1, *, figsize=(8, 3), **subplot_kw):
+    """``(fig, axes)`` of a figure pyplot does not track, for ipywidgets callbacks; show it with ``display(fig)``.
+
+    In JupyterLab 4.6 (ipykernel 7) a widget message can be handled on the kernel's second thread while
+    matplotlib-inline's end-of-execution hook flushes and closes every pyplot figure, so a pyplot figure drawn in
+    a callback can reach the browser blank or half drawn. A figure made here is out of pyplot's reach.
+    """
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.subplots(nrows, ncols, **subplot_kw)
+
+
 def _axes(ax, figsize) -> tuple[Figure, plt.Axes]:
     if ax is None:
         fig, ax = plt.subplots(figsize=figsize, layout="constrained")

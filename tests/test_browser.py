@@ -5,8 +5,15 @@ The test copies ``notebooks/05-*.ipynb`` into a temporary folder with ``INTERACT
 JupyterLab on 127.0.0.1 with a random token, opens the notebook in Debian's Chromium driven by Playwright
 (``executable_path="/usr/bin/chromium"``; nothing is downloaded), runs all cells from the Run menu, waits for
 the ``tokens T`` slider, presses ArrowRight on its handle and waits until the output it drives (the text and
-figure of the slider's cell, the slider itself left out) changes. The screenshot lands in
-``build/browser-05.png``.
+figure of the slider's cell, the slider itself left out) changes: the slider's readout moves, the text changes
+(and names the new ``T`` when it prints ``T = <n>``), and every figure is redrawn, neither blank nor half drawn
+(it keeps at least half of the non-white pixels it had). The screenshot lands in ``build/browser-05.png``.
+
+Why the figure check: JupyterLab 4.6 with ipykernel 7 handles some widget messages on a kernel subshell thread,
+and every comm message ends with IPython's ``post_execute`` hooks, matplotlib-inline's ``flush_figures``
+among them. A callback that draws with pyplot (``plt.subplots`` ... ``plt.show()``) can then be rendered by
+that other thread halfway through: the page shows a white or half-drawn PNG. A callback that draws on its own
+``matplotlib.figure.Figure`` and ``display(fig)``s it is safe.
 
 A missing Chromium or Playwright fails the test (``make browser-deps`` installs Chromium; the ``browser``
 extra installs JupyterLab and Playwright); it never skips. Every wait is bounded and the whole test runs under
@@ -173,11 +180,16 @@ def lab_server(tmp_path, lab_root, deadline):
     token = secrets.token_hex(24)
     port = _free_port()
     home = tmp_path / "jupyter"
-    settings = home / "user-settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    # No news feed, no update check: nothing asks the network, no toast covers the notebook.
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    user_settings = {
+        # No news feed, no update check: nothing asks the network, no toast covers the notebook.
+        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        # Every cell in the DOM (no windowing), so every prompt and output can be read.
+        "notebook-extension/tracker": {"windowingMode": "none"},
+    }
+    for name, values in user_settings.items():
+        path = home / "user-settings" / "@jupyterlab" / f"{name}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
     env = dict(os.environ)
     env.pop("MPLBACKEND", None)  # the kernel uses the inline backend, so figures reach the page
     env.update(
