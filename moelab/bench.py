@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import json
 import math
@@ -530,20 +529,13 @@ def _make_bank(ctx: Ctx, n_slots: int, rank: int):
 
 
 def build_lora_experts(ctx: Ctx, variant: str):
-    try:
-        from moelab.experts import LoRAExperts
-    except ImportError as e:
-        raise Skip(f"moelab.experts.LoRAExperts is not in this tree yet ({e})") from e
+    from moelab.experts import LoRAExperts
+
     s = ctx.shape
     mod = LoRAExperts(ctx.w13, ctx.w2, num_experts=s.E, top_k=s.K, lora=ctx.bank, backend="triton")
-    params = inspect.signature(mod.forward).parameters
     # As a serving engine calls it: the host knows whether any adapter is active; no host-syncing id checks.
-    kw = {}
-    if "has_lora" in params:
-        kw["has_lora"] = variant != "ids=-1"
-    if "validate" in params:
-        kw["validate"] = False
-    return lambda st: mod(st.x, st.weights, st.ids, st.lora_ids[variant], **kw)
+    has_lora = variant != "ids=-1"
+    return lambda st: mod(st.x, st.weights, st.ids, st.lora_ids[variant], has_lora=has_lora, validate=False)
 
 
 def build_lora_ops(ctx: Ctx, variant: str):

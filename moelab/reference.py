@@ -199,6 +199,16 @@ def finalize_with_w2_lora(gemm2_output, expert_weights, expanded_idx_to_permuted
 
 # ---------------------------------------------------------------------------------------------- LoRA
 
+def _adapter_slots(topk_ids, lora_ids, local_expert_offset, num_local_experts):
+    """(t, k, adapter slot, local expert) of every local slot whose token has an adapter."""
+    ids, adapters = topk_ids.tolist(), lora_ids.tolist()
+    for t, adapter in enumerate(adapters):
+        for k, expert in enumerate(ids[t]):
+            e = expert - local_expert_offset
+            if adapter >= 0 and 0 <= e < num_local_experts:
+                yield t, k, adapter, e
+
+
 def w13_lora_delta(hidden_states, topk_ids, lora_ids, bank, *, local_expert_offset=0) -> torch.Tensor:
     """[T,K,2I] in [up, gate] order: ``cat(B_up (A_up x), B_gate (A_gate x))`` for local slots with an adapter.
 
@@ -209,15 +219,9 @@ def w13_lora_delta(hidden_states, topk_ids, lora_ids, bank, *, local_expert_offs
     E_local, I = bank.gate_b.shape[1], bank.gate_b.shape[2]
     ga, gb, ua, ub = (_f64(t) for t in (bank.gate_a, bank.gate_b, bank.up_a, bank.up_b))
     delta = torch.zeros(T, K, 2 * I, dtype=torch.float64)
-    ids, slots = topk_ids.tolist(), lora_ids.tolist()
-    for t in range(T):
-        slot = slots[t]
-        for k in range(K):
-            e = ids[t][k] - local_expert_offset
-            if slot < 0 or not 0 <= e < E_local:
-                continue
-            delta[t, k, :I] = ub[slot, e] @ (ua[slot, e] @ x[t])
-            delta[t, k, I:] = gb[slot, e] @ (ga[slot, e] @ x[t])
+    for t, k, slot, e in _adapter_slots(topk_ids, lora_ids, local_expert_offset, E_local):
+        delta[t, k, :I] = ub[slot, e] @ (ua[slot, e] @ x[t])  # FlashInfer order: up first
+        delta[t, k, I:] = gb[slot, e] @ (ga[slot, e] @ x[t])
     return delta
 
 
@@ -232,14 +236,8 @@ def w2_lora_delta(act, topk_ids, topk_weights, lora_ids, bank, *, local_expert_o
     T, K = topk_ids.shape
     E_local, H = db.shape[1], db.shape[2]
     delta = torch.zeros(T, K, H, dtype=torch.float64)
-    ids, slots = topk_ids.tolist(), lora_ids.tolist()
-    for t in range(T):
-        slot = slots[t]
-        for k in range(K):
-            e = ids[t][k] - local_expert_offset
-            if slot < 0 or not 0 <= e < E_local:
-                continue
-            delta[t, k] = w[t, k] * (db[slot, e] @ (da[slot, e] @ a[t * K + k]))
+    for t, k, slot, e in _adapter_slots(topk_ids, lora_ids, local_expert_offset, E_local):
+        delta[t, k] = w[t, k] * (db[slot, e] @ (da[slot, e] @ a[t * K + k]))
     return delta
 
 
