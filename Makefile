@@ -10,10 +10,10 @@ PY := $(VENV)/bin/python
 
 .PHONY: lab test lint browser-deps clean
 
+# The extras are installed with the torch already in the venv named, so none can swap it for a (CUDA) build.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(if $(strip $(TORCH)),$(PY) -m pip install -q $(TORCH))
-	# Name the torch already installed, so no extra can swap it for another (CUDA) build.
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]" "$$($(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
 	touch $@
 
