@@ -550,9 +550,9 @@ def build_lora_ops(ctx: Ctx, variant: str):
         d13 = w13_lora_delta(s.x, s.ids, lora_ids, bank, validate=False, segments=seg)
         gemm2, ew, e2p, act = routed_moe(s.packed, s.x, W, num_experts=E, top_k=K, gemm1_lora_delta=d13,
                                          do_finalize=False, validate=False)
-        d2 = w2_lora_delta(unpermute_activation(act, e2p, T, K), s.ids, s.weights, lora_ids, bank,
+        d2 = w2_lora_delta(unpermute_activation(act, e2p, T, K, validate=False), s.ids, s.weights, lora_ids, bank,
                            validate=False, segments=seg)
-        return finalize_with_w2_lora(torch.empty_like(s.x), gemm2, ew, e2p, d2)
+        return finalize_with_w2_lora(torch.empty_like(s.x), gemm2, ew, e2p, d2, validate=False)
 
     return fn
 
@@ -943,15 +943,18 @@ def _run_ops(runner: Runner, shape: Shape) -> None:
     for use_triton in (True, False):
         tag = "triton" if use_triton else "torch"
         cases += [
-            (f"unpermute_activation ({tag})", lambda u=use_triton: unpermute_activation(act, e2p, T, K, use_triton=u),
+            (f"unpermute_activation ({tag})",
+             lambda u=use_triton: unpermute_activation(act, e2p, T, K, validate=False, use_triton=u),
              live * I * b + T * K * 4 + T * K * I * b,
              lambda: moelab.ops.unpermute_torch(act, e2p)),
             (f"finalize_with_w2_lora ({tag})",
-             lambda u=use_triton: finalize_with_w2_lora(out, gemm2, ew, e2p, w2_delta, use_triton=u),
+             lambda u=use_triton: finalize_with_w2_lora(out, gemm2, ew, e2p, w2_delta, validate=False,
+                                                        use_triton=u),
              live * H * b + T * K * (H * b + b + 4) + T * H * b,
              lambda: moelab.ops.finalize_torch(torch.empty_like(out), gemm2, ew, e2p, w2_delta)),
             (f"finalize_with_w2_lora, no delta ({tag})",
-             lambda u=use_triton: finalize_with_w2_lora(out, gemm2, ew, e2p, None, use_triton=u),
+             lambda u=use_triton: finalize_with_w2_lora(out, gemm2, ew, e2p, None, validate=False,
+                                                        use_triton=u),
              live * H * b + T * K * (b + 4) + T * H * b,
              lambda: moelab.ops.finalize_torch(torch.empty_like(out), gemm2, ew, e2p, None)),
         ]

@@ -40,7 +40,8 @@ class LoRAExperts(nn.Module):
     The fast path (no adapter anywhere in the batch) is decided on the host without reading the device:
     from ``has_lora=`` when given, else from ``lora_ids`` when it lives on the CPU (it is then copied to the
     device), else the LoRA path runs (its base tokens are exact anyway). Under CUDA graphs the branch is fixed
-    at capture time; pass ``validate=False`` there (it skips the host-syncing id checks).
+    at capture time: pass ``has_lora=`` and ``lora_ids`` already on the device (a copy from pageable host memory
+    cannot be captured), and ``validate=False`` (it skips the host-syncing id checks).
 
     Example:
         >>> E, K, H, I = 4, 2, 32, 16
@@ -95,7 +96,9 @@ class LoRAExperts(nn.Module):
                                **lora_args)
         gemm2, expert_weights, e2p, act_permuted = routed_moe(packed, hidden_states, self.weights,
                                                               gemm1_lora_delta=delta, do_finalize=False, **moe_args)
-        act = unpermute_activation(act_permuted, e2p, T, self.top_k, use_triton=self._use_triton)
+        act = unpermute_activation(act_permuted, e2p, T, self.top_k, validate=False, use_triton=self._use_triton)
         w2_delta = w2_lora_delta(act, topk_ids, topk_weights, lora_ids, self.lora, validate=False, segments=segments,
                                  **lora_args)
-        return finalize_with_w2_lora(output, gemm2, expert_weights, e2p, w2_delta, use_triton=self._use_triton)
+        # validate=False: the map comes from routed_moe itself, in range by construction (and no host sync).
+        return finalize_with_w2_lora(output, gemm2, expert_weights, e2p, w2_delta, validate=False,
+                                     use_triton=self._use_triton)

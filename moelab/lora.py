@@ -28,7 +28,6 @@ import torch
 
 from moelab import _checks, _runtime
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
-from moelab.kernels.segments import build_segments_triton
 from moelab.ops import _use_triton
 from moelab.permutation import Segments, build_segments
 
@@ -229,7 +228,9 @@ def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: Lo
     group = torch.where(live, adapter * E_local + expert, zero_group)
     if not _runtime.triton_can_run(group.device):
         return build_segments(group.flatten(), zero_group + 1, _block_m(T * K, E_local))
-    return build_segments_triton(group.flatten(), zero_group + 1, _block_m(T * K, E_local))  # one launch if small
+    from moelab.kernels.segments import build_segments_triton  # triton is optional (no wheel on macOS)
+
+    return build_segments_triton(group.flatten(), zero_group + 1, _block_m(T * K, E_local))  # 1-3 launches
 
 
 def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
@@ -301,9 +302,12 @@ def _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, vali
         if not isinstance(segments, Segments):
             raise TypeError(f"segments: expected moelab.permutation.Segments from lora_segments, "
                             f"got {type(segments).__name__}")
-        if segments.slot_to_row.numel() != T * K or segments.tile not in (16, 32, 64, 128):
-            raise ValueError(f"segments: expected lora_segments of these {T * K} slots, got one of "
-                             f"{segments.slot_to_row.numel()} slots with tile {segments.tile}")
+        groups = bank.max_loras * bank.num_local_experts + 1
+        if (segments.slot_to_row.numel() != T * K or segments.tile not in (16, 32, 64, 128)
+                or segments.num_groups != groups):
+            raise ValueError(f"segments: expected lora_segments of these {T * K} slots over this bank's {groups} "
+                             f"groups, got {segments.slot_to_row.numel()} slots, {segments.num_groups} groups, "
+                             f"tile {segments.tile}")
     if validate and T > 0:
         lo, hi = torch.stack([lora_ids.min(), lora_ids.max()]).tolist()  # one host sync
         if lo < -1 or hi >= bank.max_loras:

@@ -54,8 +54,8 @@ class RoutedMoECall:
     """A validated ``routed_moe`` call as a backend receives it.
 
     ``topk_ids`` / ``expert_weights`` decode packed routing on first use only: the triton backend reads the
-    packed words in its kernels and never pays for the decode (five small launches) unless it must return
-    ``expert_weights``.
+    packed words in its kernels, so the decode (five small launches) runs only for ``validate=True`` or when
+    ``expert_weights`` must be returned.
     """
 
     topk: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # exactly what the caller passed
@@ -130,6 +130,8 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto") 
     if two_i % 2:
         raise ValueError(f"w13: expected an even second dimension 2I, got {two_i}")
     I = two_i // 2
+    if min(E_local, H, I) == 0:
+        raise ValueError(f"w13: expected non-zero E_local, 2I and H, got shape {list(w13.shape)}")
     check_tensor("w2", w2, shape=(E_local, H, I))
     if w2.dtype != w13.dtype:
         raise TypeError(f"w2: expected dtype {w13.dtype} (that of w13), got {w2.dtype}")
@@ -189,9 +191,9 @@ def _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_off
     E_local, H, I = weights.num_local_experts, weights.hidden_size, weights.intermediate_size
     check_int("num_experts", num_experts, low=1, high=_checks.MAX_EXPERTS)
     check_int("top_k", top_k, low=1, high=num_experts)
-    check_int("local_expert_offset", local_expert_offset, low=0, high=num_experts - E_local)
     if E_local > num_experts:
         raise ValueError(f"weights: expected at most num_experts={num_experts} local experts, got {E_local}")
+    check_int("local_expert_offset", local_expert_offset, low=0, high=num_experts - E_local)
     check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
     if hidden_states.dtype != weights.dtype:
         raise TypeError(f"hidden_states: expected dtype {weights.dtype} (that of the weights), "

@@ -17,8 +17,9 @@ __all__ = ["unpermute_activation", "finalize_with_w2_lora", "unpermute_torch", "
 
 def unpermute_torch(act_permuted: torch.Tensor, e2p: torch.Tensor) -> torch.Tensor:
     """[T*K, I]: ``act_permuted[e2p[r]]``, zeros where ``e2p[r] == -1``."""
-    rows = act_permuted[e2p.clamp(min=0).long()]
-    return torch.where((e2p >= 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    live = (e2p >= 0) & (e2p < act_permuted.shape[0])
+    rows = act_permuted[torch.where(live, e2p, 0).long()]
+    return torch.where(live[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def finalize_torch(output, gemm2_output, expert_weights, e2p, w2_delta, scale: float = 1.0) -> torch.Tensor:
@@ -27,9 +28,10 @@ def finalize_torch(output, gemm2_output, expert_weights, e2p, w2_delta, scale: f
     e2p = e2p.view(T, K)
     acc = torch.zeros(T, gemm2_output.shape[1], dtype=torch.float32, device=gemm2_output.device)
     for k in range(K):
-        rows = gemm2_output[e2p[:, k].clamp(min=0).long()].float()
+        live = (e2p[:, k] >= 0) & (e2p[:, k] < gemm2_output.shape[0])
+        rows = gemm2_output[torch.where(live, e2p[:, k], 0).long()].float()
         term = expert_weights[:, k].float()[:, None] * rows
-        acc = acc + torch.where((e2p[:, k] >= 0)[:, None], term, torch.zeros((), device=acc.device))
+        acc = acc + torch.where(live[:, None], term, torch.zeros((), device=acc.device))
     if scale != 1.0:
         acc = acc * scale
     if w2_delta is not None:
@@ -41,6 +43,16 @@ def finalize_torch(output, gemm2_output, expert_weights, e2p, w2_delta, scale: f
     return output
 
 
+def _check_map(e2p: torch.Tensor, num_rows: int, validate: bool) -> None:
+    """The map must be contiguous (kernels index it flat) and, when ``validate``, inside [-1, num_rows)."""
+    _checks.check_contiguous("expanded_idx_to_permuted_idx", e2p)
+    if validate and e2p.numel() > 0:
+        lo, hi = torch.stack([e2p.min(), e2p.max()]).tolist()  # one host sync
+        if lo < -1 or hi >= num_rows:
+            raise ValueError(f"expanded_idx_to_permuted_idx: expected rows in [-1, {num_rows}) of the permuted "
+                             f"buffer, got {lo if lo < -1 else hi}")
+
+
 def _use_triton(device: torch.device, use_triton: bool | None) -> bool:
     can = _runtime.triton_can_run(device)
     if use_triton and not can:
@@ -50,13 +62,15 @@ def _use_triton(device: torch.device, use_triton: bool | None) -> bool:
 
 
 def unpermute_activation(act_permuted: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor, num_tokens: int,
-                         top_k: int, *, use_triton: bool | None = None) -> torch.Tensor:
+                         top_k: int, *, validate: bool = True, use_triton: bool | None = None) -> torch.Tensor:
     """Gather the permuted SwiGLU activation back to expanded order, non-local rows as zeros.
 
     Args:
         act_permuted: [R1, I] (``gemm1_activation_output`` of :func:`moelab.routed_moe`), bf16/fp16/fp32.
         expanded_idx_to_permuted_idx: int32 [T*K], values in [-1, R1).
         num_tokens, top_k: T and K.
+        validate: read the map to reject rows outside ``[-1, R1)`` (a host sync). With False (CUDA graphs,
+            benchmarks) a row out of range gives a zero row instead of an out-of-bounds read.
 
     Returns:
         [T*K, I], dtype of ``act_permuted``: row r is ``act_permuted[map[r]]`` or zeros (``map[r] == -1``).
@@ -69,6 +83,7 @@ def unpermute_activation(act_permuted: torch.Tensor, expanded_idx_to_permuted_id
                  shape=(num_tokens * top_k,))
     _checks.check_same_device(act_permuted=act_permuted, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx)
     _checks.check_contiguous("act_permuted", act_permuted)
+    _check_map(expanded_idx_to_permuted_idx, act_permuted.shape[0], validate)
     if not _use_triton(act_permuted.device, use_triton):
         return unpermute_torch(act_permuted, expanded_idx_to_permuted_idx)
     from moelab.kernels.unpermute import unpermute_activation_triton
@@ -78,7 +93,7 @@ def unpermute_activation(act_permuted: torch.Tensor, expanded_idx_to_permuted_id
 
 def finalize_with_w2_lora(output: torch.Tensor, gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
                           expanded_idx_to_permuted_idx: torch.Tensor, w2_delta: torch.Tensor | None, *,
-                          scale: float = 1.0, use_triton: bool | None = None) -> torch.Tensor:
+                          scale: float = 1.0, validate: bool = True, use_triton: bool | None = None) -> torch.Tensor:
     """``out[t] = scale * sum_{k: map>=0} w[t,k] * gemm2[map[t*K+k]] + sum_k w2_delta[t,k]``, fp32, one write.
 
     Args:
@@ -88,6 +103,7 @@ def finalize_with_w2_lora(output: torch.Tensor, gemm2_output: torch.Tensor, expe
         expanded_idx_to_permuted_idx: int32 [T*K].
         w2_delta: [T, K, H], already weighted by the routing weights, or None.
         scale: multiplies the base sum only (vLLM passes 1.0).
+        validate: as in :func:`unpermute_activation` (rows outside ``[-1, R2)`` rejected; without it skipped).
     """
     check_tensor("output", output, dtypes=FLOAT_DTYPES, ndim=2)
     T, H = output.shape
@@ -104,6 +120,7 @@ def finalize_with_w2_lora(output: torch.Tensor, gemm2_output: torch.Tensor, expe
                               expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, w2_delta=w2_delta)
     for name, t in (("output", output), ("gemm2_output", gemm2_output)):
         _checks.check_contiguous(name, t)
+    _check_map(expanded_idx_to_permuted_idx, gemm2_output.shape[0], validate)
     if T == 0:
         return output
     if not _use_triton(output.device, use_triton):

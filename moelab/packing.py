@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moelab._checks import FLOAT_DTYPES, INT_DTYPES, MAX_EXPERTS, check_tensor
+from moelab._checks import FLOAT_DTYPES, INT_DTYPES, MAX_EXPERTS, check_expert_ids, check_int, check_tensor
 
 __all__ = ["pack_topk_ids_weights", "unpack_topk_ids_weights", "bf16_bits"]
 
@@ -31,8 +31,8 @@ def pack_topk_ids_weights(
         topk_ids: int [T, K], global expert ids in ``[0, num_experts)`` (``num_experts <= 32767``).
         topk_weights: float [T, K]; rounded to bf16 (round to nearest even) by packing.
         num_experts: when given, ids must be below it.
-        validate: read the ids on the device to range-check them (a host sync). Pass False under CUDA-graph
-            capture or in benchmarks.
+        validate: read the ids on the device to reject ids out of range or twice in one token (a host sync).
+            Pass False under CUDA-graph capture or in benchmarks.
 
     Returns:
         int32 [T, K]: ``(id << 16) | (bf16_bits(weight) & 0xFFFF)``.
@@ -50,13 +50,12 @@ def pack_topk_ids_weights(
     if topk_ids.device != topk_weights.device:
         raise ValueError(f"topk_weights: expected device {topk_ids.device} (that of topk_ids), "
                          f"got {topk_weights.device}")
-    limit = MAX_EXPERTS + 1 if num_experts is None else num_experts
-    if num_experts is not None and not 0 < num_experts <= MAX_EXPERTS:
-        raise ValueError(f"num_experts: expected 1..{MAX_EXPERTS} (the id field is int16), got {num_experts}")
-    if validate and topk_ids.numel() > 0:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= limit:
-            raise ValueError(f"topk_ids: expected ids in [0, {limit}), got {lo if lo < 0 else hi}")
+    if num_experts is not None:
+        check_int("num_experts", num_experts)
+        if not 0 < num_experts <= MAX_EXPERTS:
+            raise ValueError(f"num_experts: expected 1..{MAX_EXPERTS} (the id field is int16), got {num_experts}")
+    if validate:
+        check_expert_ids("topk_ids", topk_ids, MAX_EXPERTS + 1 if num_experts is None else num_experts)
     return (topk_ids.to(torch.int32) << 16) | bf16_bits(topk_weights)
 
 

@@ -49,6 +49,7 @@ class Segments:
     row_to_slot: torch.Tensor  # int32 [R], R = max_live_rows(N, G, tile)
     block_group: torch.Tensor  # int32 [R // tile]
     tile: int
+    num_groups: int
 
 
 def build_segments(group: torch.Tensor, num_groups: int, tile: int) -> Segments:
@@ -85,7 +86,7 @@ def build_segments(group: torch.Tensor, num_groups: int, tile: int) -> Segments:
     block_start = torch.arange(0, rows, tile, device=device)
     block_group = torch.searchsorted(seg_end, block_start, right=True)  # groups that end at or before it
     block_group = torch.where(block_group < num_groups, block_group, -1).to(torch.int32)
-    return Segments(slot_to_row, row_to_slot.contiguous(), block_group, tile)
+    return Segments(slot_to_row, row_to_slot.contiguous(), block_group, tile, num_groups)
 
 
 def local_expert_of_slot(topk_ids: torch.Tensor, local_expert_offset: int) -> torch.Tensor:

@@ -68,3 +68,10 @@ def test_pack_rejects_bad_input(ids, weights, kwargs, error, match):
 def test_unpack_rejects_non_int32():
     with pytest.raises(TypeError, match="packed.*int32"):
         moelab.unpack_topk_ids_weights(torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_pack_rejects_duplicate_ids_in_a_token():
+    with pytest.raises(ValueError, match="topk_ids.*distinct"):
+        moelab.pack_topk_ids_weights(torch.tensor([[3, 3]]), torch.ones(1, 2))
+    packed = moelab.pack_topk_ids_weights(torch.tensor([[3, 3]]), torch.ones(1, 2), validate=False)
+    assert moelab.unpack_topk_ids_weights(packed)[0].tolist() == [[3, 3]]

@@ -324,3 +324,20 @@ def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high
     assert torch.equal(got.slot_to_row, want.slot_to_row)
     assert torch.equal(got.row_to_slot, want.row_to_slot)
     assert torch.equal(got.block_group, want.block_group)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_routing_weights(backend, device):
+    # The caller's (ids, weights) may be a transposed view: the kernels must not assume its strides.
+    T, K, E, H, I = 6, 3, 8, 16, 16
+    x, ids, _, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
+    w = torch.rand(K, T, device=device).t()
+    assert not w.is_contiguous()
+    weights = moelab.prepare_weights(w13, w2, backend=backend)
+    out = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K)[0]
+    assert_close_to_reference(out, reference.routed_moe(ids, w, x, w13, w2)["output"], torch.float32, "output")
+
+
+def test_zero_sized_weights_rejected():
+    with pytest.raises(ValueError, match="w13.*non-zero"):
+        moelab.prepare_weights(torch.zeros(0, 8, 4), torch.zeros(0, 4, 4), backend="torch")

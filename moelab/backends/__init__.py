@@ -33,7 +33,15 @@ def _default_device() -> torch.device:
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Backends that can run on ``device`` (default: the current CUDA device, else the CPU), fastest first."""
     device = _default_device() if device is None else torch.device(device)
-    return [name for name in BACKENDS if get_backend(name).unavailable_reason(device) is None]
+    return [name for name in BACKENDS if _reason(name, device) is None]
+
+
+def _reason(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run on ``device`` (None: it can), an import failure included."""
+    try:
+        return get_backend(name).unavailable_reason(device)
+    except ImportError as e:  # e.g. no triton wheel for this platform
+        return f"its module does not import ({e})"
 
 
 def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
@@ -41,7 +49,7 @@ def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
     device = _default_device() if device is None else torch.device(device)
     if name == "auto":
         return available_backends(device)[0]
-    reason = get_backend(name).unavailable_reason(device)
+    reason = _reason(name, device)
     if reason is not None:
         raise ValueError(f"backend: {name!r} cannot run on {device}: {reason}; "
                          f"use one of {available_backends(device)} (or 'auto')")

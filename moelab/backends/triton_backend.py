@@ -1,9 +1,9 @@
 """Backend "triton": the routed-MoE contract with moelab's own Triton kernels (any CUDA GPU; CPU through the
 interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), no alignment requirement.
 
-Pipeline (launches): segments by local expert (one Triton program up to 4096 slots, else torch sort and
-scans) -> GEMM1 + LoRA delta + SwiGLU ->
-GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M, so a tile never mixes experts.
+Pipeline (launches): segments by local expert (one Triton program up to 1024 slots, else three) ->
+GEMM1 + LoRA delta + SwiGLU -> GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M,
+so a tile never mixes experts.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``."""
     W = call.weights
     routing = call.packed if call.packed is not None else call.topk_ids
-    weights = None if call.packed is not None else call.expert_weights
+    weights = None if call.packed is not None else call.expert_weights.contiguous()  # the kernel's stride is 1
     args = (routing, weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
             call.num_experts, call.local_expert_offset, call.gemm1_lora_delta, call.do_finalize)
     if torch.compiler.is_compiling():

@@ -19,7 +19,7 @@ from moelab.kernels._common import to_output
 @triton.jit
 def _finalize_kernel(
     out_ptr, gemm2_ptr, weights_ptr, e2p_ptr, delta_ptr, scale,
-    H, top_k, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,
+    num_rows, H, top_k, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,
     HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, PACKED_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -28,7 +28,7 @@ def _finalize_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in range(0, top_k):
         row = tl.load(e2p_ptr + t * top_k + k)
-        if row >= 0:  # non-local slots contribute nothing (and their rows are never read)
+        if (row >= 0) & (row < num_rows):  # non-local slots contribute nothing (their rows are never read)
             if PACKED_WEIGHTS:  # the low half of the routing word is the bf16 weight: widen it exactly
                 word = tl.load(weights_ptr + t * stride_w_t + k)
                 w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
@@ -62,7 +62,7 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
     delta = w2_delta if w2_delta is not None else output  # placeholder pointer, never read
     _finalize_kernel[(T, triton.cdiv(H, block_h))](
         output, gemm2_output, expert_weights, e2p, delta, float(scale),
-        H, K, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
+        gemm2_output.shape[0], H, K, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
         delta.stride(0) if w2_delta is not None else 0, delta.stride(1) if w2_delta is not None else 0,
         HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights, BLOCK_H=block_h,
         num_warps=4 if block_h >= 512 else 1,

@@ -7,8 +7,8 @@
 expert shared by the whole tile of rows, ``d`` the optional ``gemm1_lora_delta`` row of the slot
 (FlashInfer's **[up, gate]** order) added to the fp32 accumulators before SwiGLU. The weights stay in HF
 order (``w13 [E_local, 2I, H]`` rows [gate; up], ``w2 [E_local, H, I]``), read K-major like vLLM's
-``fused_moe_kernel``. Padding rows (slot -1) gather zeros and so produce zeros; tiles past the live rows are
-filled with ``DEAD_FILL`` (0, or NaN in debug mode) without touching any weight.
+``fused_moe_kernel``. Padding rows (slot -1) and tiles past the live rows are written with ``DEAD_FILL``
+(0, or NaN in debug mode); dead tiles touch no weight.
 """
 
 from __future__ import annotations

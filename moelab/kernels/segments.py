@@ -154,7 +154,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
                                          num_groups, rows, rows // tile, TILE=tile, CHUNK=chunk, G_BINS=g_bins,
                                          PACKED=packed, CB=cb, num_warps=warps)
-        return Segments(slot_to_row, row_to_slot, block_group, tile)
+        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     row_to_slot.fill_(-1)  # padding rows stay -1
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split([num_chunks * g_bins] * 3 + [g_bins])
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups,
@@ -164,4 +164,4 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, n, offset, num_groups, CHUNK=chunk, G_BINS=g_bins,
                                             PACKED=packed, num_warps=warps)
-    return Segments(slot_to_row, row_to_slot, block_group, tile)
+    return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)

@@ -12,12 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _unpermute_activation_kernel(act_ptr, e2p_ptr, out_ptr, I, stride_act_r, stride_out_r, BLOCK_I: tl.constexpr):
+def _unpermute_activation_kernel(act_ptr, e2p_ptr, out_ptr, num_rows, I, stride_act_r, stride_out_r,
+                                 BLOCK_I: tl.constexpr):
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     col_ok = cols < I
     row = tl.load(e2p_ptr + r + tl.zeros_like(cols))  # the slot's row, broadcast over the columns
-    vals = tl.load(act_ptr + tl.maximum(row, 0).to(tl.int64) * stride_act_r + cols, mask=col_ok & (row >= 0),
+    live = (row >= 0) & (row < num_rows)  # -1: a non-local slot; past the buffer: never read (validate=False)
+    vals = tl.load(act_ptr + tl.where(live, row, 0).to(tl.int64) * stride_act_r + cols, mask=col_ok & live,
                    other=0.0)
     tl.store(out_ptr + r.to(tl.int64) * stride_out_r + cols, vals, mask=col_ok)
 
@@ -30,7 +32,7 @@ def unpermute_activation_triton(act_permuted: torch.Tensor, e2p: torch.Tensor) -
         return out
     block_i = min(1024, triton.next_power_of_2(I))
     _unpermute_activation_kernel[(n, triton.cdiv(I, block_i))](
-        act_permuted, e2p, out, I, act_permuted.stride(0), out.stride(0), BLOCK_I=block_i,
+        act_permuted, e2p, out, act_permuted.shape[0], I, act_permuted.stride(0), out.stride(0), BLOCK_I=block_i,
         num_warps=4 if block_i >= 512 else 1,
     )
     return out
