@@ -32,12 +32,6 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
     return torch.cuda.get_device_capability(device)
 
 
-def is_blackwell(device: torch.device | str | None = None) -> bool:
-    """True on SM 10.x, the only family FlashInfer's BF16 routed MoE cubins exist for."""
-    cap = cuda_capability(device)
-    return cap is not None and cap[0] == 10
-
-
 def triton_can_run(device: torch.device) -> bool:
     """Triton runs compiled on any CUDA device, and in its interpreter on CPU tensors."""
     if not HAS_TRITON:

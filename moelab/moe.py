@@ -20,6 +20,7 @@ from moelab import _checks
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
 from moelab.backends import available_backends, get_backend, resolve_backend
 from moelab.packing import unpack_topk_ids_weights
+from moelab.permutation import max_live_rows
 
 __all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "prepare_weights", "routed_moe",
            "permuted_rows", "available_backends"]
@@ -105,10 +106,7 @@ def permuted_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, widt
     ``Rmax = tile * (m + (T*K - m) // tile)`` with ``m = min(E, T*K)`` bounds the tile-padded live rows; the
     ``ceil(65536 / width)`` floor comes from FlashInfer's 128 KiB minimum allocation.
     """
-    slots = num_tokens * top_k
-    m = min(num_experts, slots)
-    r_max = tile * (m + (slots - m) // tile)
-    return max(r_max, -(-65536 // width))
+    return max(max_live_rows(num_tokens * top_k, num_experts, tile), -(-65536 // width))
 
 
 def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto") -> MoEWeights:

@@ -12,7 +12,7 @@ import torch
 from moelab import _runtime
 from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.ops import finalize_torch
-from moelab.permutation import default_tile, expanded_to_permuted_torch
+from moelab.permutation import default_tile, expanded_to_permuted_torch, local_expert_of_slot
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -32,7 +32,7 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
     fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
     act_perm = torch.full((permuted_rows(T, K, call.num_experts, tile, I), I), fill, dtype=x.dtype, device=x.device)
     gemm2 = torch.full((permuted_rows(T, K, call.num_experts, tile, H), H), fill, dtype=x.dtype, device=x.device)
-    local_expert = ids.flatten().long() - call.local_expert_offset
+    local_expert = local_expert_of_slot(ids, call.local_expert_offset)
     delta = None if call.gemm1_lora_delta is None else call.gemm1_lora_delta.reshape(T * K, 2 * I)
     for e in range(E_local):
         slots = (local_expert == e).nonzero().squeeze(1)  # expanded indices, ascending = token-ascending
