@@ -5,6 +5,13 @@
 #   run(command="MOELAB_COMMIT=<sha> bash scripts/device_all.sh", carry=[".whl"], timeout_s=560)
 # A step whose *_S budget is 0 is skipped (TEST_S, TUNE_S, BASE_S, LORA_S, NB_S).
 # .whl/ holds the liger-kernel wheel; .whl/nb/ papermill, ipykernel and what they need beyond the image.
+# They are not committed (.git/info/exclude has /.whl/); fetch them once per machine with:
+#   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
+#   P="$P --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
+#   python3 -m pip download --no-deps $P -d .whl liger-kernel
+#   python3 -m pip download $P -d .whl/nb papermill ipykernel ipywidgets nbformat nbclient
+#   (then delete from .whl/nb what the image already has: attrs certifi charset_normalizer click idna packaging
+#    psutil pygments python_dateutil PyYAML requests tqdm typing_extensions urllib3)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-build}; mkdir -p "$OUT"
