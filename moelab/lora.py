@@ -29,7 +29,7 @@ import torch
 from moelab import _checks, _runtime
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
 from moelab.ops import _use_triton
-from moelab.permutation import Segments, build_segments
+from moelab.permutation import Segments, build_segments, next_pow2
 
 __all__ = ["LoRABank", "lora_scaling", "lora_segments", "build_lora_segments", "w13_lora_delta", "w2_lora_delta",
            "per_slot"]
@@ -209,7 +209,7 @@ def _block_m(num_slots: int, num_local_experts: int) -> int:
     """Rows per tile: ~slots per expert, clamped to [16, 64] (16 is tl.dot's minimum; 64 measured best at
     T=16384 against 32 and 128)."""
     per_expert = -(-num_slots // num_local_experts)
-    return min(max(1 << max(0, (per_expert - 1).bit_length()), 16), 64)
+    return min(max(next_pow2(per_expert), 16), 64)
 
 
 def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -31,7 +32,7 @@ def default_tile(num_tokens: int, top_k: int, num_local_experts: int) -> int:
     the default is the smallest one.
     """
     per_expert = -(-(num_tokens * top_k) // num_local_experts)
-    c = min(max(_next_pow2(max(per_expert, 1)), 8), 128)
+    c = min(max(next_pow2(per_expert), 8), 128)
     return max(c // 2, 8)
 
 

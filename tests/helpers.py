@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from moelab.lab import rel_err  # ||out - ref|| / ||ref|| in float64; NaN gives inf; shapes must match
+
 #: ||out - ref|| / ||ref|| bounds against the float64 reference (SPEC §7). bf16 keeps 8 bits of mantissa
 #: (rounding 2^-9 ~ 2e-3 per element, a few roundings per path: ~3e-3 typical); fp16 keeps 11 bits;
 #: fp32 paths accumulate in fp32 (~1e-7 per op) and stay far under 1e-5.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf (NaN never passes)."""
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    if torch.isnan(out64).any() or torch.isnan(ref64).any():
-        return float("inf")
-    denom = ref64.norm().item()
-    num = (out64 - ref64).norm().item()
-    return num / denom if denom > 0 else num
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> float:

@@ -25,7 +25,7 @@ from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
 def unavailable_reason(device: torch.device) -> str | None:
     if not _runtime.HAS_TRITON:
         return "the triton package is not installed"
-    if device.type == "cuda" or (device.type == "cpu" and _runtime.INTERPRET):
+    if _runtime.triton_can_run(device):
         return None
     return f"Triton runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; got {device.type}"
 
