@@ -41,10 +41,12 @@ token has one of N adapters, "Nx half" = half the tokens have -1; for the half v
 compared bit for bit with the base path, SPEC §5, and reported as ``base_rows_bitwise``):
 
     moelab triton               the base layer, no LoRA at all (the ratio column divides by this)
-    moelab LoRAExperts          moelab.LoRAExperts(w13, w2, lora=bank, backend="triton"), called as a serving
-                                engine would (has_lora known on the host, validate=False); also with all ids -1
-    moelab LoRA ops             the public pieces composed: lora_segments, w13_lora_delta, routed_moe(delta,
-                                do_finalize=False), unpermute_activation, w2_lora_delta, finalize_with_w2_lora
+    moelab LoRAExperts          moelab.LoRAExperts(w13, w2, lora=bank, backend="triton") (LoRA fused into the
+                                GEMMs), called as a serving engine would (has_lora known on the host,
+                                validate=False); also with all ids -1
+    moelab LoRA ops             vLLM's unfused flow from the public pieces: lora_segments, w13_lora_delta,
+                                routed_moe(delta, do_finalize=False), unpermute_activation, w2_lora_delta,
+                                finalize_with_w2_lora (what LoRAExperts(fused=False) runs)
     unfused LoRA (grouped_mm)   vLLM-style separate launches: slots sorted by (adapter, expert), shrink and expand
                                 by torch._grouped_mm, W13 delta into moelab's routed_moe, torch gather of the
                                 activation, W2 shrink/expand, torch finalize + delta sum

@@ -4,6 +4,11 @@
     W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
     -> unpermute act to [T*K, I] (non-local rows zero) -> W2 delta [T,K,H], weighted -> one fused finalize
 
+On the triton backend the same sums run *fused* by default (``fused=True``): the W13 shrink is one extra
+launch and every other LoRA product lives in the grouped GEMMs' tiles, so neither delta goes through memory
+(``moelab/kernels/moe_gemm.py``, "Fused LoRA"). ``fused=False`` runs the flow above literally, as the
+flashinfer backend must (its kernel is closed) and the torch backend does.
+
 The base term uses the bf16 weights packing produces; the W2 LoRA term the caller's weights (as vLLM does).
 A token without an adapter comes out bit-for-bit as the base path computes it (torch and triton backends):
 its delta rows are exact zeros, the GEMMs run the same tiles, and the finalize finishes the base sum before
@@ -12,11 +17,13 @@ it adds the (zero) LoRA sum.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from moelab._checks import INT_DTYPES, check_tensor
-from moelab.lora import LoRABank, lora_segments, w2_lora_delta, w13_lora_delta
+from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_same_device, check_tensor
+from moelab.lora import LoRABank, check_lora_routing, lora_segments, w2_lora_delta, w13_lora_delta
 from moelab.moe import prepare_weights, routed_moe
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
 from moelab.packing import pack_topk_ids_weights
@@ -33,6 +40,9 @@ class LoRAExperts(nn.Module):
         num_experts: global E; top_k: K; local_expert_offset: this rank's first expert (expert parallel).
         lora: a :class:`moelab.LoRABank` over the same local experts, or None (base MoE only).
         backend: "auto", "flashinfer", "triton" or "torch".
+        fused: fold the LoRA into the triton backend's GEMMs (see above). None: yes on the triton backend when
+            the bank is at most ``MAX_FUSED_LORA_COLUMNS`` wide (L and max_rank padded to powers of two,
+            multiplied); True is only valid there; False: vLLM's unfused flow.
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
     -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
@@ -53,7 +63,8 @@ class LoRAExperts(nn.Module):
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, num_experts: int, top_k: int,
-                 local_expert_offset: int = 0, lora: LoRABank | None = None, backend: str = "auto"):
+                 local_expert_offset: int = 0, lora: LoRABank | None = None, backend: str = "auto",
+                 fused: bool | None = None):
         super().__init__()
         self.weights = prepare_weights(w13, w2, backend=backend)
         self.num_experts, self.top_k, self.local_expert_offset = num_experts, top_k, local_expert_offset
@@ -69,6 +80,24 @@ class LoRAExperts(nn.Module):
         self.lora = lora
         # Our own Triton ops serve every backend but "torch" (flashinfer runs on a GPU, where Triton runs too).
         self._use_triton = self.weights.backend != "torch"
+        self.fused = self._check_fused(fused)
+
+    def _check_fused(self, fused: bool | None) -> bool:
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused: expected True, False or None, got {type(fused).__name__}")
+        if self.lora is None or fused is False:
+            return False
+        columns = None
+        if self.backend == "triton":  # (the import needs triton, which that backend has)
+            from moelab.backends.triton_backend import MAX_FUSED_LORA_COLUMNS, FusedLoRA
+
+            columns = math.prod(FusedLoRA(self.lora, None, None).pads)
+        fits = columns is not None and columns <= MAX_FUSED_LORA_COLUMNS
+        if fused and not fits:
+            raise ValueError(f"fused: the fused LoRA path needs the triton backend and a bank of at most 256 "
+                             f"stacked columns (max_loras and max_rank padded to powers of two, multiplied); "
+                             f"got backend {self.backend!r}, {columns} columns; pass fused=False")
+        return fits
 
     @property
     def backend(self) -> str:
@@ -90,6 +119,8 @@ class LoRAExperts(nn.Module):
             routed_moe(packed, hidden_states, self.weights, output=output, **moe_args)
             return output
         lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
+        if self.fused:
+            return self._forward_fused(packed, hidden_states, topk_weights, topk_ids, lora_ids, output, validate)
         lora_args = dict(local_expert_offset=self.local_expert_offset, use_triton=self._use_triton)
         segments = lora_segments(topk_ids, lora_ids, self.lora, local_expert_offset=self.local_expert_offset)
         delta = w13_lora_delta(hidden_states, topk_ids, lora_ids, self.lora, validate=validate, segments=segments,
@@ -102,3 +133,17 @@ class LoRAExperts(nn.Module):
         # validate=False: the map comes from routed_moe itself, in range by construction (and no host sync).
         return finalize_with_w2_lora(output, gemm2, expert_weights, e2p, w2_delta, validate=False,
                                      use_triton=self._use_triton)
+
+    def _forward_fused(self, packed, hidden_states, topk_weights, topk_ids, lora_ids, output, validate):
+        from moelab.backends import triton_backend
+
+        check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, validate)
+        if hidden_states.dtype != self.lora.dtype:
+            raise TypeError(f"hidden_states: expected the bank's dtype {self.lora.dtype}, got {hidden_states.dtype}")
+        check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES + (torch.float64,), shape=topk_ids.shape)
+        check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
+        if hidden_states.shape[0] == 0:
+            return output
+        lora = triton_backend.FusedLoRA(self.lora, lora_ids, topk_weights)
+        return triton_backend.lora_experts_fused(packed, hidden_states.contiguous(), self.weights, lora,
+                                                 self.num_experts, self.local_expert_offset, output)

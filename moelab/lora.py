@@ -287,7 +287,9 @@ def lora_shrink_expand_torch(x: torch.Tensor, a_banks: list[torch.Tensor], b_ban
 
 # ---------------------------------------------------------------------------------------------- deltas
 
-def _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, validate):
+def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments=None):
+    """Check a bank and the routing its deltas see; with ``validate`` also the adapter ids (one host sync).
+    Returns (T, K)."""
     if not isinstance(bank, LoRABank):
         raise TypeError(f"bank: expected a LoRABank, got {type(bank).__name__}")
     check_tensor("topk_ids", topk_ids, dtypes=INT_DTYPES, ndim=2)
@@ -373,7 +375,7 @@ def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids
     Returns:
         [T, K, 2I] in the dtype of ``hidden_states``: columns 0:I are up, I:2I gate (FlashInfer order).
     """
-    T, K = _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, validate)
+    T, K = check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments)
     check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, shape=(T, bank.hidden_size))
     if hidden_states.dtype != bank.dtype:
         raise TypeError(f"hidden_states: expected the bank's dtype {bank.dtype}, got {hidden_states.dtype}")
@@ -404,7 +406,7 @@ def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     Returns:
         [T, K, H] in the dtype of ``act``.
     """
-    T, K = _check_routing(bank, topk_ids, lora_ids, local_expert_offset, segments, validate)
+    T, K = check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments)
     check_tensor("act", act, dtypes=FLOAT_DTYPES, shape=(T * K, bank.intermediate_size))
     if act.dtype != bank.dtype:
         raise TypeError(f"act: expected the bank's dtype {bank.dtype}, got {act.dtype}")

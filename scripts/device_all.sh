@@ -3,7 +3,7 @@
 # tile sweep (its winners rewrite moelab/backends/triton_configs.json there and come back in $OUT), the
 # benchmarks with those configs, then every notebook at full size. Run from the repo root:
 #   run(command="MOELAB_COMMIT=<sha> bash scripts/device_all.sh", carry=[".whl"], timeout_s=560)
-# A step whose *_S budget is 0 is skipped (TEST_S, TUNE_S, BASE_S, LORA_S, NB_S).
+# A step whose *_S budget is 0 is skipped (TEST_S, TUNE_S, BASE_S, LORA_S, PROF_S, NB_S).
 # .whl/ holds the liger-kernel wheel; .whl/nb/ papermill, ipykernel and what they need beyond the image.
 # They are not committed (.git/info/exclude has /.whl/); fetch them once per machine with:
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
@@ -23,10 +23,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
   tests/test_experts.py tests/test_lora.py 2>&1 | tail -4 | tee "$OUT/tests.log"
 [ "${TUNE_S:-100}" -gt 0 ] && timeout ${TUNE_S:-100} python3 scripts/tune_moe.py --tokens ${TUNE_T:-32,128,1024,4096} --budget-s ${TUNE_PER_T:-15} \
   2>&1 | grep -v failed | tee "$OUT/tune.log"
-timeout ${BASE_S:-120} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,128,1024,4096,16384 --quick \
+[ "${PROF_S:-40}" -gt 0 ] && for t in ${PROF_T:-128}; do timeout ${PROF_S:-40} python3 scripts/profile_launch.py --tokens $t; \
+  timeout ${PROF_S:-40} python3 scripts/profile_launch.py --tokens $t --lora; done 2>&1 | tee "$OUT/profile.log"
+[ "${BASE_S:-120}" -gt 0 ] && timeout ${BASE_S:-120} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,128,1024,4096,16384 --quick \
   --time-budget $(( ${BASE_S:-120} - 15 )) --out "$OUT/bench_base.json" > "$OUT/bench_base.log" 2>&1
 grep -A9 "median µs" "$OUT/bench_base.log" | head -10
-timeout ${LORA_S:-90} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,16384 --lora --ops --quick \
+[ "${LORA_S:-90}" -gt 0 ] && timeout ${LORA_S:-90} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,16384 --lora --ops --quick \
   --lora-variants "1x all,4x all" --time-budget $(( ${LORA_S:-90} - 15 )) --out "$OUT/bench_lora.json" \
   > "$OUT/bench_lora.log" 2>&1
 grep -B2 -A12 "time / base\|/ base" "$OUT/bench_lora.log" | head -30; grep -A8 "^\*\*ops" "$OUT/bench_lora.log"

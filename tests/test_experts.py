@@ -1,7 +1,8 @@
 """LoRAExperts (SPEC §5) on the torch and triton backends against ``moelab.reference.lora_experts``.
 
 Adapters are random with a large contribution, and the LoRA part alone (output - base) is compared too, so a
-broken LoRA path cannot hide under the base output.
+broken LoRA path cannot hide under the base output. The triton backend runs twice: with the LoRA fused into its
+GEMMs (its default) and as vLLM's unfused flow (``fused=False``).
 """
 
 import pytest
@@ -11,7 +12,15 @@ from helpers import REL_TOL, assert_close_to_reference, random_experts, random_t
 import moelab
 from moelab import reference
 
-BACKENDS = ["torch", "triton"]
+#: "backend" or "backend/flow" (the unfused vLLM flow on a backend that fuses by default).
+BACKENDS = ["torch", "triton", "triton/flow"]
+
+
+def make_experts(w13, w2, variant, **kwargs):
+    backend, _, flow = variant.partition("/")
+    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=False if flow else None, **kwargs)
+    assert experts.fused == (variant == "triton" and kwargs.get("lora") is not None)
+    return experts
 
 
 def random_adapters(L, E, H, I, ranks, *, seed=0):
@@ -60,7 +69,7 @@ def make_problem(T, K, E, H, I, dtype, device, *, L=3, ranks=(4, 8, 2), seed=0, 
 def test_lora_experts_matches_reference(backend, dtype, T, K, E, H, I, lora_ids, device):
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, lora_ids=lora_ids)
     bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
-    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend=backend)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
     out = experts(x, w, ids, lora_ids)
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
     assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
@@ -77,7 +86,7 @@ def test_all_minus_one_takes_the_fast_path_and_equals_base(backend, device, monk
     T, K, E, H, I = 7, 2, 8, 32, 16
     x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, torch.bfloat16, device)
     bank = make_bank(adapters, E, 0, H, I, 8, torch.bfloat16, device)
-    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend=backend)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
     base = experts(x, w, ids, None)
     none = torch.full((T,), -1)
     lora_path = experts(x, w, ids, none.to(device), has_lora=True)  # forced LoRA path: all deltas zero
@@ -101,8 +110,8 @@ def test_expert_parallel_partial_sums(backend, E_local, device):
     for offset in range(0, E, E_local):
         n = min(E_local, E - offset)
         bank = make_bank(adapters, n, offset, H, I, 8, dtype, device)
-        experts = moelab.LoRAExperts(w13[offset:offset + n], w2[offset:offset + n], num_experts=E, top_k=K,
-                                     local_expert_offset=offset, lora=bank, backend=backend)
+        experts = make_experts(w13[offset:offset + n], w2[offset:offset + n], backend, num_experts=E, top_k=K,
+                               local_expert_offset=offset, lora=bank)
         part = experts(x, w, ids, lora_ids)
         ref_part = reference.lora_experts(x, w, ids, lora_ids, w13[offset:offset + n], w2[offset:offset + n], bank,
                                           local_expert_offset=offset)
@@ -129,12 +138,48 @@ def test_lora_experts_rejects_bad_input(device):
         experts(x, w.to(device), ids, torch.tensor([0, 5, -1], device=device))  # adapter id outside the bank
 
 
+@pytest.mark.parametrize("max_rank, ranks", [(6, (6, 1, 3, 5)), (16, (16, 16, 16, 16))])
+def test_fused_lora_many_adapters_per_tile(max_rank, ranks, device):
+    """Four adapters mixed inside each GEMM tile, ranks that are not powers of two, one wide bank; debug mode
+    fills dead rows with NaN, which must not reach any output."""
+    T, K, E, H, I, dtype = 40, 2, 4, 64, 48, torch.bfloat16
+    x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, dtype, device, L=4, ranks=ranks, seed=7)
+    lora_ids = (torch.arange(T) % 5 - 1).to(device)  # -1, 0, 1, 2, 3, -1, ... : every tile mixes them
+    bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, device)
+    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, lora=bank)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    moelab.set_debug(True)
+    try:
+        out = experts(x, w, ids, lora_ids)
+        base = experts(x, w, ids, None)
+    finally:
+        moelab.set_debug(False)
+    assert_close_to_reference(out, ref["output"], dtype, "fused output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "fused LoRA part")
+    assert torch.equal(out[lora_ids < 0], base[lora_ids < 0])
+
+
+def test_fused_choice_and_its_errors(device):
+    E, K, H, I = 4, 2, 16, 16
+    w13, w2 = random_experts(E, H, I, torch.float32, device=device)
+    bank = moelab.LoRABank(2, E, H, I, 4, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="fused.*triton backend"):
+        moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused=True)
+    with pytest.raises(TypeError, match="fused"):
+        moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="yes")
+    wide = moelab.LoRABank(8, E, H, I, 64, dtype=torch.float32, device=device)  # 8 * 64 stacked columns
+    assert not moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton").fused
+    with pytest.raises(ValueError, match="fused.*512 columns"):
+        moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton", fused=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
-def test_lora_experts_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("backend", ["triton", "triton/flow"])
+def test_lora_experts_cuda_graph_capture_and_replay(backend):
     T, K, E, H, I, dtype, device = 32, 4, 8, 128, 64, torch.bfloat16, "cuda"
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device)
     bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
-    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
     experts(x, w, ids, lora_ids, has_lora=True, validate=False)  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -17,9 +17,10 @@ import triton
 
 from moelab import _runtime
 from moelab.kernels.finalize import finalize_triton
-from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel
+from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel, _lora_shrink13_kernel
 from moelab.kernels.segments import build_segments_triton
-from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.permutation import next_pow2
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -70,14 +71,38 @@ def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return _runtime.INTERPRET or dtype == torch.float32, "ieee" if dtype == torch.float32 else "tf32"
 
 
+@dataclass(frozen=True)
+class FusedLoRA:
+    """A LoRABank folded into the GEMM tiles (``moelab/kernels/moe_gemm.py``, "Fused LoRA").
+
+    ``bank``: a :class:`moelab.LoRABank` over the local experts; ``lora_ids`` int [T] (-1 = none);
+    ``topk_weights`` float [T, K], the caller's routing weights (the W2 LoRA term is weighted by them).
+    """
+
+    bank: object
+    lora_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+    @property
+    def pads(self) -> tuple[int, int]:
+        """(L_PAD, R_PAD): adapters and ranks padded to powers of two, L_PAD * R_PAD >= 16 (tl.dot's minimum)."""
+        l_pad = next_pow2(self.bank.max_loras)
+        return l_pad, max(next_pow2(self.bank.max_rank), 16 // min(l_pad, 16))
+
+
+#: Widest stacked bank (L_PAD * R_PAD) the fused path takes; wider banks run vLLM's unfused flow.
+MAX_FUSED_LORA_COLUMNS = 256
+
+
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
-              config: GemmConfig | None = None) -> tuple[torch.Tensor, ...]:
-    """Segments -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
+              config: GemmConfig | None = None, lora: FusedLoRA | None = None) -> tuple[torch.Tensor, ...]:
+    """Segments -> [LoRA shrink] -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
 
     ``routing``: int32 [T, K] packed words when ``expert_weights`` is None (the kernels decode them), else
-    the int32 ids beside the caller's ``expert_weights``.
+    the int32 ids beside the caller's ``expert_weights``. ``lora`` (packed routing only): fold a LoRA bank
+    into the GEMMs; gemm2 then holds base + LoRA terms and is only meant for the finalize.
     """
     packed = expert_weights is None
     T, K = routing.shape
@@ -98,21 +123,47 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     for buf in (act, gemm2):
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
-    _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * triton.cdiv(I, cfg.block_n),)](
+    num_n1 = triton.cdiv(I, cfg.block_n)
+    if lora is not None:
+        bank = lora.bank
+        l_pad, r_pad = lora.pads
+        bank_args = (E_local, bank.max_loras, bank.max_rank)
+        s13 = torch.empty(reach, 2, r_pad, dtype=x.dtype, device=x.device)  # [up | gate] rank vectors
+        s2_part = torch.empty(num_n1, reach, r_pad, dtype=torch.float32, device=x.device)
+        lora_ids = lora.lora_ids
+        wide = cfg.block_m * l_pad * r_pad > 128 * 64  # two fp32 accumulators of that size: spread the registers
+        if live_blocks:
+            _lora_shrink13_kernel[(live_blocks,)](
+                x, bank.up_a, bank.gate_a, s13, seg.row_to_slot, seg.block_group, lora_ids,
+                H, K, *bank_args, x.stride(0),
+                DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
+                BLOCK_M=cfg.block_m, BLOCK_K=64, num_warps=8 if wide else 4,
+            )
+        lora_g1 = (s13, s2_part, lora_ids, bank.up_b, bank.gate_b, bank.down_a, *bank_args, s2_part.stride(0))
+        lora_g2 = (s2_part, seg.row_to_slot, lora_ids, bank.down_b, lora.topk_weights.contiguous(), routing,
+                   K, *bank_args, num_n1, s2_part.stride(0))
+        lora_flags = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
+    else:
+        lora_g1 = (x, x, x, x, x, x, 0, 0, 0, 0)  # placeholders, never read
+        lora_g2 = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0)
+        lora_flags = {}
+    _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
         x.stride(0), w13.stride(0), w13.stride(1), 2 * I if delta is not None else 0, act.stride(0),
+        *lora_g1,
         HAS_DELTA=delta is not None, DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
     )
     _gemm2_kernel[(triton.cdiv(reach, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
         act, w2, gemm2, seg.block_group,
         live_blocks, reach, H, I,
         act.stride(0), w2.stride(0), w2.stride(1), gemm2.stride(0),
+        *lora_g2,
         DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
     )
     if do_finalize:
         if output is None:
@@ -161,3 +212,13 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     else:
         output, gemm2, e2p, act = _pipeline(*args, output=call.output, config=config)
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
+
+
+def lora_experts_fused(packed: torch.Tensor, hidden_states: torch.Tensor, weights: MoEWeights, lora: FusedLoRA,
+                       num_experts: int, local_expert_offset: int, output: torch.Tensor) -> torch.Tensor:
+    """:class:`moelab.LoRAExperts` on this backend: the base pipeline with the bank folded into its GEMMs
+    (one extra launch, the W13 shrink; no [T,K,2I] or [T,K,H] delta in memory). Inputs already validated;
+    ``packed`` int32 [T, K] routing words; ``output`` [T, H] written and returned."""
+    _pipeline(packed, None, hidden_states, weights.gemm1_weights, weights.gemm2_weights, num_experts,
+              local_expert_offset, None, True, output=output, lora=lora)
+    return output

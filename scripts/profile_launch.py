@@ -1,0 +1,74 @@
+"""Where an eager call's time goes: host time before each launch and the GPU's idle gaps between kernels.
+
+    python scripts/profile_launch.py --tokens 128 [--lora]      # on a CUDA GPU
+
+Prints, for one eager call after warm-up (Qwen3-30B-A3B shapes, bf16, uniform routing): every CUDA kernel with
+its start and end on the GPU, relative to the moment the call began on the host, and the idle gaps; then the
+host time of the whole call. An eager call is slower than its CUDA graph by the host time the GPU waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import moelab
+from moelab.bench import SHAPES
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--lora", action="store_true", help="LoRAExperts with one rank-16 adapter on every token")
+    a = p.parse_args()
+    s = SHAPES["qwen3-30b-a3b"]
+    T, dev, dt = a.tokens, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(s.E, 2 * s.I, s.H, device=dev, dtype=dt, generator=g) / s.H**0.5
+    w2 = torch.randn(s.E, s.H, s.I, device=dev, dtype=dt, generator=g) / s.I**0.5
+    x = torch.randn(T, s.H, device=dev, dtype=dt, generator=g)
+    ids = torch.rand(T, s.E, device=dev, generator=g).argsort(dim=1)[:, :s.K].int()
+    w = torch.rand(T, s.K, device=dev, generator=g)
+    bank = moelab.LoRABank(1, s.E, s.H, s.I, 16, dtype=dt, device=dev) if a.lora else None
+    if bank is not None:
+        for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
+            getattr(bank, name).normal_(0, 0.02)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=s.E, top_k=s.K, lora=bank, backend="triton")
+    lora_ids = torch.zeros(T, dtype=torch.int32, device=dev) if a.lora else None
+
+    def call():
+        return experts(x, w, ids, lora_ids, has_lora=a.lora, validate=False)
+
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    t_first_cpu = min(e.time_range.start for e in cpu if "synchronize" not in e.name.lower()) if cpu else 0
+    print(f"T={T} lora={a.lora}: GPU kernels of one eager call, µs from the first host op")
+    last_end = None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, end = e.time_range.start - t_first_cpu, e.time_range.end - t_first_cpu
+        gap = "" if last_end is None else f"  (idle {start - last_end:.1f})"
+        print(f"  {start:8.1f} - {end:8.1f}  {end - start:7.1f}  {e.name[:70]}{gap}")
+        last_end = end
+    host.sort()
+    print(f"host time of a call (GPU idle before it): median {1e6 * host[len(host) // 2]:.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
