@@ -174,36 +174,35 @@ def _gemm1_swiglu_kernel(
         d_mask = row_ok[:, None] & col_ok[None, :]
         acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
-    tile_has_lora = False
     if LORA:
         adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
-        tile_has_lora = tl.max(adapters, axis=0) >= 0
         adapter, rank = _stacked_index(L_PAD, R_PAD)
         own = adapter[None, :] == adapters[:, None]  # [BLOCK_M, L_PAD*R_PAD]
         bank_ok = (adapter < num_loras) & (rank < max_rank)
         bank_row = adapter * num_local_experts + expert  # (adapter, expert) matrix of each stacked column
-    if tile_has_lora:  # W13 LoRA: expand the shrink kernel's rank vectors, [up | gate], before SwiGLU
-        s_ptrs = s13_ptr + rows.to(tl.int64)[:, None] * (2 * R_PAD) + rank[None, :]
-        b_offs = bank_row[:, None] * I * max_rank + cols[None, :] * max_rank + rank[:, None]  # stacked B^T
-        b_mask = bank_ok[:, None] & col_ok[None, :]
-        acc_up = _expand_stacked(tl.load(s_ptrs, mask=own, other=0.0), up_b_ptr, b_offs, b_mask, acc_up,
-                                 DOT_F32, DOT_PRECISION)
-        acc_gate = _expand_stacked(tl.load(s_ptrs + R_PAD, mask=own, other=0.0), gate_b_ptr, b_offs, b_mask,
-                                   acc_gate, DOT_F32, DOT_PRECISION)
+        if tl.max(adapters, axis=0) >= 0:  # W13 LoRA: expand the shrink kernel's rank vectors before SwiGLU
+            s_ptrs = s13_ptr + rows.to(tl.int64)[:, None] * (2 * R_PAD) + rank[None, :]  # [up | gate]
+            b_offs = bank_row[:, None] * I * max_rank + cols[None, :] * max_rank + rank[:, None]  # stacked B^T
+            b_mask = bank_ok[:, None] & col_ok[None, :]
+            acc_up = _expand_stacked(tl.load(s_ptrs, mask=own, other=0.0), up_b_ptr, b_offs, b_mask, acc_up,
+                                     DOT_F32, DOT_PRECISION)
+            acc_gate = _expand_stacked(tl.load(s_ptrs + R_PAD, mask=own, other=0.0), gate_b_ptr, b_offs, b_mask,
+                                       acc_gate, DOT_F32, DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = tl.where(row_ok[:, None], act, DEAD_FILL)
     act = to_output(act, act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
-    if tile_has_lora:  # W2 LoRA shrink of this column block of act: a partial sum per column block
-        da_offs = bank_row[None, :] * max_rank * I + rank[None, :] * I + cols[:, None]  # stacked A_down^T
-        da = tl.load(down_a_ptr + da_offs, mask=col_ok[:, None] & bank_ok[None, :], other=0.0)
-        act_in = act
-        if DOT_F32:
-            act_in, da = act.to(tl.float32), da.to(tl.float32)
-        part = _own_block(tl.dot(act_in, da, input_precision=DOT_PRECISION), adapters, BLOCK_M, L_PAD, R_PAD)
-        part_ptrs = (s2_part_ptr + pid_n * stride_part + rows.to(tl.int64)[:, None] * R_PAD
-                     + tl.arange(0, R_PAD)[None, :])
-        tl.store(part_ptrs, part)
+    if LORA:
+        if tl.max(adapters, axis=0) >= 0:  # W2 LoRA shrink of this column block of act: one partial per block
+            da_offs = bank_row[None, :] * max_rank * I + rank[None, :] * I + cols[:, None]  # stacked A_down^T
+            da = tl.load(down_a_ptr + da_offs, mask=col_ok[:, None] & bank_ok[None, :], other=0.0)
+            act_in = act
+            if DOT_F32:
+                act_in, da = act.to(tl.float32), da.to(tl.float32)
+            part = _own_block(tl.dot(act_in, da, input_precision=DOT_PRECISION), adapters, BLOCK_M, L_PAD, R_PAD)
+            part_ptrs = (s2_part_ptr + pid_n * stride_part + rows.to(tl.int64)[:, None] * R_PAD
+                         + tl.arange(0, R_PAD)[None, :])
+            tl.store(part_ptrs, part)
 
 
 @triton.jit
