@@ -108,18 +108,19 @@ def test_ops_reject_bad_input():
 
 
 @pytest.mark.parametrize("use_triton", PATHS)
-def test_map_rows_out_of_range_rejected_or_masked(use_triton):
+def test_map_rows_out_of_range_rejected_or_masked(use_triton, device):
     # A map row past the permuted buffer: validate=True raises; validate=False must not read out of bounds.
-    act = torch.randn(8, 16)
-    e2p = torch.tensor([0, 1, 7, 1000000], dtype=torch.int32)
+    act = torch.randn(8, 16, device=device)
+    e2p = torch.tensor([0, 1, 7, 1000000], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=r"expanded_idx_to_permuted_idx.*\[-1, 8\)"):
         moelab.unpermute_activation(act, e2p, 2, 2, use_triton=use_triton)
     out = moelab.unpermute_activation(act, e2p, 2, 2, validate=False, use_triton=use_triton)
     assert torch.equal(out[:3], act[[0, 1, 7]]) and bool((out[3] == 0).all())
-    gemm2, weights = torch.randn(8, 16), torch.rand(2, 2)
+    gemm2, weights = torch.randn(8, 16, device=device), torch.rand(2, 2, device=device)
     with pytest.raises(ValueError, match="expanded_idx_to_permuted_idx"):
-        moelab.finalize_with_w2_lora(torch.empty(2, 16), gemm2, weights, e2p, None, use_triton=use_triton)
-    out = moelab.finalize_with_w2_lora(torch.empty(2, 16), gemm2, weights, e2p, None, validate=False,
+        moelab.finalize_with_w2_lora(torch.empty(2, 16, device=device), gemm2, weights, e2p, None,
+                                     use_triton=use_triton)
+    out = moelab.finalize_with_w2_lora(torch.empty(2, 16, device=device), gemm2, weights, e2p, None, validate=False,
                                        use_triton=use_triton)
     assert torch.allclose(out[1], weights[1, 0] * gemm2[7], atol=1e-6)
 

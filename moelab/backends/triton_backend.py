@@ -17,7 +17,7 @@ import triton
 
 from moelab import _runtime
 from moelab.kernels.finalize import finalize_triton
-from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel, _lora_shrink13_kernel
+from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel, _lora_shrink_kernel
 from moelab.kernels.segments import build_segments_triton
 from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.permutation import next_pow2
@@ -124,29 +124,26 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
     num_n1 = triton.cdiv(I, cfg.block_n)
+    lora_g1, lora_g2 = (x, x, x, x, 0, 0, 0), (x, x, x, 0, 0, 0)  # placeholders, never read without LORA
+    lora_flags = {}
     if lora is not None:
         bank = lora.bank
         l_pad, r_pad = lora.pads
         bank_args = (E_local, bank.max_loras, bank.max_rank)
-        s13 = torch.empty(reach, 2, r_pad, dtype=x.dtype, device=x.device)  # [up | gate] rank vectors
-        s2_part = torch.empty(num_n1, reach, r_pad, dtype=torch.float32, device=x.device)
-        lora_ids = lora.lora_ids
-        wide = cfg.block_m * l_pad * r_pad > 128 * 64  # two fp32 accumulators of that size: spread the registers
+        tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
+        s13 = torch.empty(reach, 2, l_pad * r_pad, dtype=x.dtype, device=x.device)  # stacked [up | gate]
+        s2 = torch.empty(reach, l_pad * r_pad, dtype=x.dtype, device=x.device)
+        shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, lora.topk_weights.contiguous(), routing)
+        shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
+                            BLOCK_M=cfg.block_m, BLOCK_K=64 if cfg.block_m >= 64 else 256,
+                            num_warps=8 if cfg.block_m * l_pad * r_pad > 128 * 64 else 4)
         if live_blocks:
-            _lora_shrink13_kernel[(live_blocks,)](
-                x, bank.up_a, bank.gate_a, s13, seg.row_to_slot, seg.block_group, lora_ids,
-                H, K, *bank_args, x.stride(0),
-                DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
-                BLOCK_M=cfg.block_m, BLOCK_K=64, num_warps=8 if wide else 4,
-            )
-        lora_g1 = (s13, s2_part, lora_ids, bank.up_b, bank.gate_b, bank.down_a, *bank_args, s2_part.stride(0))
-        lora_g2 = (s2_part, seg.row_to_slot, lora_ids, bank.down_b, lora.topk_weights.contiguous(), routing,
-                   K, *bank_args, num_n1, s2_part.stride(0))
+            _lora_shrink_kernel[(live_blocks,)](
+                x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
+                GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True, **shrink_flags)
+        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args)
+        lora_g2 = (s2, tile_flags, bank.down_b, *bank_args)
         lora_flags = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
-    else:
-        lora_g1 = (x, x, x, x, x, x, 0, 0, 0, 0)  # placeholders, never read
-        lora_g2 = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0)
-        lora_flags = {}
     _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
@@ -156,6 +153,10 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
     )
+    if lora is not None and live_blocks:
+        _lora_shrink_kernel[(live_blocks,)](
+            act, bank.down_a, bank.down_a, s2, tile_flags, *shrink_args, I, K, *bank_args, act.stride(0),
+            GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False, **shrink_flags)
     _gemm2_kernel[(triton.cdiv(reach, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
         act, w2, gemm2, seg.block_group,
         live_blocks, reach, H, I,
@@ -217,7 +218,7 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
 def lora_experts_fused(packed: torch.Tensor, hidden_states: torch.Tensor, weights: MoEWeights, lora: FusedLoRA,
                        num_experts: int, local_expert_offset: int, output: torch.Tensor) -> torch.Tensor:
     """:class:`moelab.LoRAExperts` on this backend: the base pipeline with the bank folded into its GEMMs
-    (one extra launch, the W13 shrink; no [T,K,2I] or [T,K,H] delta in memory). Inputs already validated;
+    (two extra launches, the W13 and W2 shrinks; no [T,K,2I] or [T,K,H] delta in memory). Inputs already validated;
     ``packed`` int32 [T, K] routing words; ``output`` [T, H] written and returned."""
     _pipeline(packed, None, hidden_states, weights.gemm1_weights, weights.gemm2_weights, num_experts,
               local_expert_offset, None, True, output=output, lora=lora)

@@ -12,19 +12,21 @@ order (``w13 [E_local, 2I, H]`` rows [gate; up], ``w2 [E_local, H, I]``), read K
 
 Fused LoRA (``LORA``, the triton backend's path for :class:`moelab.LoRAExperts`): the adapters of a
 :class:`moelab.LoRABank` are folded into the same tiles instead of going through HBM as [T,K,2I] and [T,K,H]
-deltas. A tile's rows may carry different adapters, so each bank matrix is read *stacked*: column
-``j = adapter * R_PAD + r`` of the stacked A (or row of the stacked B) is rank ``r`` of adapter ``adapter``;
-a row keeps only its own adapter's block (``own``), which makes the other blocks exact zeros.
+deltas. A tile's rows may carry different adapters, so the bank is used *stacked*: column
+``j = adapter * R_PAD + r`` of a rank vector (and row j of the stacked B^T) belongs to rank ``r`` of adapter
+``adapter``, and a row's rank vector is zero outside its own adapter's block. One dot with the stacked B then
+expands every row with its own adapter.
 
-    _lora_shrink13_kernel  s13[p] = (A_up x[t], A_gate x[t]) of row p's adapter          [R1, 2, R_PAD]
-    gemm1 epilogue         acc_up += s13_up[p] B_up^T, acc_gate += s13_gate[p] B_gate^T (before SwiGLU), then
-                           s2_part[n, p] = act[p, n-block] A_down[:, n-block]^T          [N1, R1, R_PAD] fp32
-    gemm2 epilogue         acc += (sum_n s2_part[n, p]) B_down^T * w[slot] / bf16(w[slot])
+    _lora_shrink_kernel (W13)  s13[p] = [A_up x[t] | A_gate x[t]] of row p's adapter, stacked  [R1, 2, L*R]
+    gemm1 epilogue             acc_up += s13_up[p] B_up^T, acc_gate += s13_gate[p] B_gate^T, before SwiGLU
+    _lora_shrink_kernel (W2)   s2[p] = A_down act[p] * w[slot] / bf16(w[slot]), stacked       [R1, L*R]
+    gemm2 epilogue             acc += s2[p] B_down^T
 
-The last factor turns the bf16 routing weight the finalize applies into the caller's weight for the LoRA
-term, as vLLM's flow weights its W2 delta. Rank vectors are rounded to the input dtype like vLLM's. A row
-without an adapter adds exact zeros (tiles without any adapter skip the LoRA work), so its output is
-bit-for-bit the base path's.
+The factor ``w / bf16(w)`` turns the bf16 routing weight the finalize applies into the caller's weight for the
+LoRA term, as vLLM's flow weights its W2 delta. Rank vectors are accumulated in fp32 and rounded to the input
+dtype, like vLLM's. The W13 shrink marks the tiles that hold any adapter (``tile_flags``); the other tiles
+skip every LoRA step, and a row without an adapter adds exact zeros, so its output is bit for bit the base
+path's.
 """
 
 from __future__ import annotations
@@ -36,13 +38,6 @@ from moelab.kernels._common import to_output
 
 
 @triton.jit
-def _stacked_index(L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """(adapter, rank) of each column j of a stacked bank matrix, int64 [L_PAD * R_PAD] each."""
-    j = tl.arange(0, L_PAD * R_PAD)
-    return (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
-
-
-@triton.jit
 def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
     """Adapter slot of each row, int32 [BLOCK_M]; -1 for no adapter, a dead row, or an id outside the bank."""
     adapter = tl.load(lora_ids_ptr + tokens, mask=row_ok, other=-1).to(tl.int32)
@@ -50,66 +45,84 @@ def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
 
 
 @triton.jit
-def _own_block(stacked, adapters, BLOCK_M: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """[BLOCK_M, L_PAD*R_PAD] -> [BLOCK_M, R_PAD]: each row's own adapter block (zeros without an adapter)."""
-    block = tl.arange(0, L_PAD * R_PAD) // R_PAD
-    stacked = tl.where(block[None, :] == adapters[:, None], stacked, 0.0)
-    return tl.sum(tl.reshape(stacked, (BLOCK_M, L_PAD, R_PAD)), axis=1)
-
-
-@triton.jit
-def _lora_shrink13_kernel(
-    x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr,
-    H, top_k, num_local_experts, num_loras, max_rank, stride_x_t,
+def _lora_shrink_kernel(
+    in_ptr, a0_ptr, a1_ptr, out_ptr, tile_flags_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr,
+    weights_ptr, packed_ptr,
+    D, top_k, num_local_experts, num_loras, max_rank, stride_in,
+    GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr, WRITE_FLAGS: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     L_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One program per live tile of GEMM1's rows: s13[p] = [A_up x; A_gate x] of the row's adapter, [2, R_PAD]
-    in the input dtype (fp32 accumulation). Banks ``A [L, E_local, max_rank, H]`` contiguous."""
+    """One program per live tile of the GEMMs' rows: stacked rank vectors ``A_j @ in[row]`` of each row's adapter,
+    [BLOCK_M, NUM_SLICES, L_PAD*R_PAD] in the input dtype (fp32 accumulation), zero outside its block.
+
+    GATHER: row p reads ``in[token of p]`` (x, W13), else ``in[p]`` (the permuted act, W2). Banks ``A [L, E_local,
+    max_rank, D]`` contiguous. WEIGHTED: times ``w[slot] / bf16(w[slot])`` (see the module docstring).
+    WRITE_FLAGS: store whether the tile holds any adapter (tiles without one are skipped, here and in the GEMMs).
+    """
     pid_m = tl.program_id(0)
     expert = tl.load(block_group_ptr + pid_m)
-    if expert < 0:  # past the live rows: GEMM1 reads nothing here
+    if expert < 0:  # past the live rows: the GEMMs read nothing here
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(row_to_slot_ptr + rows)
     row_ok = slots >= 0
-    tokens = tl.where(row_ok, slots // top_k, 0).to(tl.int64)
-    adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
-    s_up = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    s_gate = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-    if tl.max(adapters, axis=0) >= 0:  # a tile without adapters writes zeros and reads nothing
-        adapter, rank = _stacked_index(L_PAD, R_PAD)
-        a_cols = (adapter * num_local_experts + expert) * max_rank * H + rank * H  # [L_PAD*R_PAD]
+    slots = tl.where(row_ok, slots, 0).to(tl.int64)
+    adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
+    tile_has_lora = tl.max(adapters, axis=0) >= 0
+    if WRITE_FLAGS:
+        tl.store(tile_flags_ptr + pid_m, tile_has_lora.to(tl.int32))
+    if tile_has_lora:
+        j = tl.arange(0, L_PAD * R_PAD)
+        adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
+        a_cols = (adapter * num_local_experts + expert) * max_rank * D + rank * D  # stacked A^T columns
         a_ok = (adapter < num_loras) & (rank < max_rank)
+        in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :]
-        acc_up = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
-        acc_gate = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
-        for k0 in range(0, tl.cdiv(H, BLOCK_K)):
+        in_ptrs = in_ptr + in_rows[:, None] * stride_in + ks[None, :]
+        acc0 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(D, BLOCK_K)):
             k = ks + k0 * BLOCK_K
-            k_ok = k < H
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a_offs = a_cols[None, :] + k[:, None]  # [BLOCK_K, L_PAD*R_PAD]: stacked A^T
+            k_ok = k < D
+            xt = tl.load(in_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_offs = a_cols[None, :] + k[:, None]  # [BLOCK_K, L_PAD*R_PAD]
             a_mask = k_ok[:, None] & a_ok[None, :]
-            up_t = tl.load(up_a_ptr + a_offs, mask=a_mask, other=0.0)
-            gate_t = tl.load(gate_a_ptr + a_offs, mask=a_mask, other=0.0)
+            a0 = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
             if DOT_F32:
-                xt, up_t, gate_t = xt.to(tl.float32), up_t.to(tl.float32), gate_t.to(tl.float32)
-            acc_up = tl.dot(xt, up_t, acc_up, input_precision=DOT_PRECISION)
-            acc_gate = tl.dot(xt, gate_t, acc_gate, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-        s_up = _own_block(acc_up, adapters, BLOCK_M, L_PAD, R_PAD)
-        s_gate = _own_block(acc_gate, adapters, BLOCK_M, L_PAD, R_PAD)
-    out = s13_ptr + rows.to(tl.int64)[:, None] * (2 * R_PAD) + tl.arange(0, R_PAD)[None, :]
-    tl.store(out, to_output(s_up, s13_ptr.dtype.element_ty))
-    tl.store(out + R_PAD, to_output(s_gate, s13_ptr.dtype.element_ty))
+                xt, a0 = xt.to(tl.float32), a0.to(tl.float32)
+            acc0 = tl.dot(xt, a0, acc0, input_precision=DOT_PRECISION)
+            if NUM_SLICES == 2:
+                a1 = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
+                if DOT_F32:
+                    a1 = a1.to(tl.float32)
+                acc1 = tl.dot(xt, a1, acc1, input_precision=DOT_PRECISION)
+            in_ptrs += BLOCK_K
+        own = adapter[None, :] == adapters[:, None]  # [BLOCK_M, L_PAD*R_PAD]
+        if WEIGHTED:
+            has = adapters >= 0
+            w = tl.load(weights_ptr + slots, mask=has, other=0.0).to(tl.float32)
+            word = tl.load(packed_ptr + slots, mask=has, other=0)
+            w_bf16 = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            ratio = tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
+            acc0 = acc0 * ratio[:, None]
+        out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * L_PAD * R_PAD) + j[None, :]
+        tl.store(out, to_output(tl.where(own, acc0, 0.0), out_ptr.dtype.element_ty))
+        if NUM_SLICES == 2:
+            tl.store(out + L_PAD * R_PAD, to_output(tl.where(own, acc1, 0.0), out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _expand_stacked(s, b_ptr, b_offs, b_mask, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + s @ B^T: ``s`` [BLOCK_M, L_PAD*R_PAD] rank vectors in the input dtype (zero outside each row's
-    own block), the stacked B^T tile [L_PAD*R_PAD, BLOCK_N] read at ``b_offs``."""
-    b = tl.load(b_ptr + b_offs, mask=b_mask, other=0.0)
+def _expand_stacked(s_ptr, rows, b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, max_rank, acc,
+                    L_PAD: tl.constexpr, R_PAD: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + s @ B^T: the tile's stacked rank vectors s [BLOCK_M, L_PAD*R_PAD] (row p at ``s_ptr + rows[p]``)
+    and the stacked B^T tile [L_PAD*R_PAD, BLOCK_N] of this expert; B banks ``[L, E_local, D_out, max_rank]``."""
+    j = tl.arange(0, L_PAD * R_PAD)
+    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
+    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] + j[None, :])
+    b_offs = (adapter * num_local_experts + expert)[:, None] * D_out * max_rank + cols[None, :] * max_rank
+    b_mask = ((adapter < num_loras) & (rank < max_rank))[:, None] & col_ok[None, :]
+    b = tl.load(b_ptr + b_offs + rank[:, None], mask=b_mask, other=0.0)
     if DOT_F32:
         s, b = s.to(tl.float32), b.to(tl.float32)
     return tl.dot(s, b, acc, input_precision=DOT_PRECISION)
@@ -120,9 +133,8 @@ def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
-    # fused LoRA (LORA): rank vectors in/out, per-token adapter ids, the bank's B_up, B_gate, A_down
-    s13_ptr, s2_part_ptr, lora_ids_ptr, up_b_ptr, gate_b_ptr, down_a_ptr,
-    num_local_experts, num_loras, max_rank, stride_part,
+    # fused LoRA (LORA): stacked W13 rank vectors [R1, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate
+    s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
@@ -175,34 +187,15 @@ def _gemm1_swiglu_kernel(
         acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
     if LORA:
-        adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
-        adapter, rank = _stacked_index(L_PAD, R_PAD)
-        own = adapter[None, :] == adapters[:, None]  # [BLOCK_M, L_PAD*R_PAD]
-        bank_ok = (adapter < num_loras) & (rank < max_rank)
-        bank_row = adapter * num_local_experts + expert  # (adapter, expert) matrix of each stacked column
-        if tl.max(adapters, axis=0) >= 0:  # W13 LoRA: expand the shrink kernel's rank vectors before SwiGLU
-            s_ptrs = s13_ptr + rows.to(tl.int64)[:, None] * (2 * R_PAD) + rank[None, :]  # [up | gate]
-            b_offs = bank_row[:, None] * I * max_rank + cols[None, :] * max_rank + rank[:, None]  # stacked B^T
-            b_mask = bank_ok[:, None] & col_ok[None, :]
-            acc_up = _expand_stacked(tl.load(s_ptrs, mask=own, other=0.0), up_b_ptr, b_offs, b_mask, acc_up,
-                                     DOT_F32, DOT_PRECISION)
-            acc_gate = _expand_stacked(tl.load(s_ptrs + R_PAD, mask=own, other=0.0), gate_b_ptr, b_offs, b_mask,
-                                       acc_gate, DOT_F32, DOT_PRECISION)
+        if tl.load(tile_flags_ptr + pid_m) != 0:  # W13 LoRA, [up | gate] rank vectors, expanded before SwiGLU
+            s_rows = rows * (2 * L_PAD * R_PAD)
+            bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank)
+            acc_up = _expand_stacked(s13_ptr, s_rows, up_b_ptr, *bank, acc_up, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
+            acc_gate = _expand_stacked(s13_ptr + L_PAD * R_PAD, s_rows, gate_b_ptr, *bank, acc_gate, L_PAD, R_PAD,
+                                       DOT_F32, DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = tl.where(row_ok[:, None], act, DEAD_FILL)
-    act = to_output(act, act_ptr.dtype.element_ty)
-    tl.store(out_ptrs, act, mask=out_mask)
-    if LORA:
-        if tl.max(adapters, axis=0) >= 0:  # W2 LoRA shrink of this column block of act: one partial per block
-            da_offs = bank_row[None, :] * max_rank * I + rank[None, :] * I + cols[:, None]  # stacked A_down^T
-            da = tl.load(down_a_ptr + da_offs, mask=col_ok[:, None] & bank_ok[None, :], other=0.0)
-            act_in = act
-            if DOT_F32:
-                act_in, da = act.to(tl.float32), da.to(tl.float32)
-            part = _own_block(tl.dot(act_in, da, input_precision=DOT_PRECISION), adapters, BLOCK_M, L_PAD, R_PAD)
-            part_ptrs = (s2_part_ptr + pid_n * stride_part + rows.to(tl.int64)[:, None] * R_PAD
-                         + tl.arange(0, R_PAD)[None, :])
-            tl.store(part_ptrs, part)
+    tl.store(out_ptrs, to_output(act, act_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -210,9 +203,8 @@ def _gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
-    # fused LoRA (LORA): GEMM1's W2 rank-vector partials, the bank's B_down, ids and both routing weights
-    s2_part_ptr, row_to_slot_ptr, lora_ids_ptr, down_b_ptr, weights_ptr, packed_ptr,
-    top_k, num_local_experts, num_loras, max_rank, num_parts, stride_part,
+    # fused LoRA (LORA): stacked W2 rank vectors [R1, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down
+    s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
@@ -250,26 +242,7 @@ def _gemm2_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LORA:
-        slots = tl.load(row_to_slot_ptr + rows)
-        row_ok = slots >= 0
-        slots = tl.where(row_ok, slots, 0).to(tl.int64)
-        adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
-        if tl.max(adapters, axis=0) >= 0:  # W2 LoRA: sum the partials, round like vLLM, expand, weight
-            adapter, rank = _stacked_index(L_PAD, R_PAD)
-            own = adapter[None, :] == adapters[:, None]
-            p_ptrs = s2_part_ptr + rows.to(tl.int64)[:, None] * R_PAD + rank[None, :]
-            s2 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
-            for p in range(0, num_parts):
-                s2 += tl.load(p_ptrs + p * stride_part, mask=own, other=0.0)
-            bank_row = adapter * num_local_experts + expert
-            db_offs = bank_row[:, None] * H * max_rank + cols[None, :] * max_rank + rank[:, None]
-            db_mask = ((adapter < num_loras) & (rank < max_rank))[:, None] & col_ok[None, :]
-            lora = _expand_stacked(to_output(s2, act_ptr.dtype.element_ty), down_b_ptr, db_offs, db_mask,
-                                   tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_F32, DOT_PRECISION)
-            # The finalize multiplies by the bf16 weight of the routing word; the LoRA term wants the caller's.
-            has = adapters >= 0
-            w = tl.load(weights_ptr + slots, mask=has, other=0.0).to(tl.float32)
-            w_bf16 = ((tl.load(packed_ptr + slots, mask=has, other=0) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            ratio = tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
-            acc += lora * ratio[:, None]
+        if tl.load(tile_flags_ptr + pid_m) != 0:  # W2 LoRA: expand the (weighted) rank vectors
+            acc = _expand_stacked(s2_ptr, rows * (L_PAD * R_PAD), down_b_ptr, expert, cols, col_ok, H,
+                                  num_local_experts, num_loras, max_rank, acc, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
