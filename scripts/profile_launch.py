@@ -37,7 +37,7 @@ def print_registers() -> None:
     """Registers and spills of every compiled variant of the GEMM kernels (what a fused epilogue costs)."""
     from moelab.kernels import moe_gemm
 
-    for fn in (moe_gemm._gemm1_swiglu_kernel, moe_gemm._gemm2_kernel, moe_gemm._lora_shrink13_kernel):
+    for fn in (moe_gemm._gemm1_swiglu_kernel, moe_gemm._gemm2_kernel, moe_gemm._lora_shrink_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for key, kernel in cache[0].items():
                 lora = "LORA" if "'LORA', True" in str(key) or "True)" in str(key)[-40:] else ""
