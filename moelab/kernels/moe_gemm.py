@@ -18,9 +18,9 @@ deltas. A tile's rows may carry different adapters, so the bank is used *stacked
 expands every row with its own adapter.
 
     _lora_shrink_kernel (W13)  s13[p] = [A_up x[t] | A_gate x[t]] of row p's adapter, stacked  [R1, 2, L*R]
-    gemm1                      acc_up, acc_gate start from s13_up[p] B_up^T, s13_gate[p] B_gate^T
+    gemm1 epilogue             acc_up += s13_up[p] B_up^T, acc_gate += s13_gate[p] B_gate^T, before SwiGLU
     _lora_shrink_kernel (W2)   s2[p] = A_down act[p] * w[slot] / bf16(w[slot]), stacked       [R1, L*R]
-    gemm2                      acc starts from s2[p] B_down^T
+    gemm2 epilogue             acc += s2[p] B_down^T
 
 The factor ``w / bf16(w)`` turns the bf16 routing weight the finalize applies into the caller's weight for the
 LoRA term, as vLLM's flow weights its W2 delta. Rank vectors are accumulated in fp32 and rounded to the input
@@ -164,14 +164,6 @@ def _gemm1_swiglu_kernel(
     up_ptrs = gate_ptrs + I * stride_w_n
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LORA:  # W13 LoRA: the accumulators start from the expanded [up | gate] rank vectors (no registers held
-        # through the K loop; a row without an adapter starts from exact zeros, as without LoRA)
-        if tl.load(tile_flags_ptr + pid_m) != 0:
-            s_rows = rows * (2 * L_PAD * R_PAD)
-            bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank)
-            acc_up = _expand_stacked(s13_ptr, s_rows, up_b_ptr, *bank, acc_up, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
-            acc_gate = _expand_stacked(s13_ptr + L_PAD * R_PAD, s_rows, gate_b_ptr, *bank, acc_gate, L_PAD, R_PAD,
-                                       DOT_F32, DOT_PRECISION)
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -194,6 +186,13 @@ def _gemm1_swiglu_kernel(
         d_mask = row_ok[:, None] & col_ok[None, :]
         acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
+    if LORA:
+        if tl.load(tile_flags_ptr + pid_m) != 0:  # W13 LoRA, [up | gate] rank vectors, expanded before SwiGLU
+            s_rows = rows * (2 * L_PAD * R_PAD)
+            bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank)
+            acc_up = _expand_stacked(s13_ptr, s_rows, up_b_ptr, *bank, acc_up, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
+            acc_gate = _expand_stacked(s13_ptr + L_PAD * R_PAD, s_rows, gate_b_ptr, *bank, acc_gate, L_PAD, R_PAD,
+                                       DOT_F32, DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = tl.where(row_ok[:, None], act, DEAD_FILL)
     tl.store(out_ptrs, to_output(act, act_ptr.dtype.element_ty), mask=out_mask)
@@ -229,10 +228,6 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LORA:  # W2 LoRA: the accumulator starts from the expanded (weighted) rank vectors
-        if tl.load(tile_flags_ptr + pid_m) != 0:
-            acc = _expand_stacked(s2_ptr, rows * (L_PAD * R_PAD), down_b_ptr, expert, cols, col_ok, H,
-                                  num_local_experts, num_loras, max_rank, acc, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -246,4 +241,8 @@ def _gemm2_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if LORA:
+        if tl.load(tile_flags_ptr + pid_m) != 0:  # W2 LoRA: expand the (weighted) rank vectors
+            acc = _expand_stacked(s2_ptr, rows * (L_PAD * R_PAD), down_b_ptr, expert, cols, col_ok, H,
+                                  num_local_experts, num_loras, max_rank, acc, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
