@@ -12,6 +12,7 @@ for the unfused flow), ``lora-idle`` (the LoRA path forced with every id -1: the
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -26,10 +27,17 @@ def main() -> None:
     p.add_argument("--tokens", default="128", help="comma-separated token counts")
     p.add_argument("--modes", default="base,lora", help="comma-separated: base, lora, lora-idle")
     p.add_argument("--flow", action="store_true", help="LoRAExperts(fused=False): vLLM's unfused flow")
+    p.add_argument("--lora-shrink", default="auto", help="comma-separated MOELAB_LORA_SHRINK values to profile: "
+                   "auto, loop, kernels (where the fused path's shrinks run)")
     a = p.parse_args()
     for T in (int(t) for t in a.tokens.split(",")):
         for mode in a.modes.split(","):
-            profile_one(T, mode, a.flow)
+            for shrink in a.lora_shrink.split(",") if mode != "base" else ["auto"]:
+                os.environ.pop("MOELAB_LORA_SHRINK", None)
+                if shrink != "auto":
+                    os.environ["MOELAB_LORA_SHRINK"] = shrink
+                print(f"-- shrink {shrink}" if mode != "base" else "--")
+                profile_one(T, mode, a.flow)
     print_registers()
 
 
