@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 [ "${TUNE_S:-100}" -gt 0 ] && timeout ${TUNE_S:-100} python3 scripts/tune_moe.py --tokens ${TUNE_T:-32,128,1024,4096} --budget-s ${TUNE_PER_T:-15} \
   2>&1 | grep -v failed | tee "$OUT/tune.log"
 [ "${PROF_S:-40}" -gt 0 ] && timeout ${PROF_S:-40} python3 scripts/profile_launch.py --tokens ${PROF_T:-128} \
-  --modes ${PROF_MODES:-base,lora} --lora-shrink ${PROF_SHRINK:-auto} 2>&1 | grep -v Warn | tee "$OUT/profile.log"
+  --modes ${PROF_MODES:-base,lora} 2>&1 | grep -v Warn | tee "$OUT/profile.log"
 [ "${BASE_S:-120}" -gt 0 ] && timeout ${BASE_S:-120} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,128,1024,4096,16384 --quick \
   --time-budget $(( ${BASE_S:-120} - 15 )) --out "$OUT/bench_base.json" > "$OUT/bench_base.log" 2>&1
 grep -A9 "median µs" "$OUT/bench_base.log" | head -10

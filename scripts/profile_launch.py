@@ -12,7 +12,6 @@ for the unfused flow), ``lora-idle`` (the LoRA path forced with every id -1: the
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -27,17 +26,10 @@ def main() -> None:
     p.add_argument("--tokens", default="128", help="comma-separated token counts")
     p.add_argument("--modes", default="base,lora", help="comma-separated: base, lora, lora-idle")
     p.add_argument("--flow", action="store_true", help="LoRAExperts(fused=False): vLLM's unfused flow")
-    p.add_argument("--lora-shrink", default="auto", help="comma-separated MOELAB_LORA_SHRINK values to profile: "
-                   "auto, loop, kernels (where the fused path's shrinks run)")
     a = p.parse_args()
     for T in (int(t) for t in a.tokens.split(",")):
         for mode in a.modes.split(","):
-            for shrink in a.lora_shrink.split(",") if mode != "base" else ["auto"]:
-                os.environ.pop("MOELAB_LORA_SHRINK", None)
-                if shrink != "auto":
-                    os.environ["MOELAB_LORA_SHRINK"] = shrink
-                print(f"-- shrink {shrink}" if mode != "base" else "--")
-                profile_one(T, mode, a.flow)
+            profile_one(T, mode, a.flow)
     print_registers()
 
 
@@ -47,10 +39,9 @@ def print_registers() -> None:
 
     for fn in (moe_gemm._gemm1_swiglu_kernel, moe_gemm._gemm2_kernel, moe_gemm._lora_shrink_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
-            for key, kernel in cache[0].items():
-                lora = "LORA" if "'LORA', True" in str(key) or "True)" in str(key)[-40:] else ""
+            for kernel in cache[0].values():
                 print(f"{fn.__name__}: {kernel.n_regs} registers, {kernel.n_spills} spills, "
-                      f"{kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared {lora}")
+                      f"{kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared")
 
 
 def profile_one(T: int, mode: str, flow: bool) -> None:

@@ -12,17 +12,14 @@ from helpers import REL_TOL, assert_close_to_reference, random_experts, random_t
 import moelab
 from moelab import reference
 
-#: "backend", or "triton/loop" and "triton/kernels" (the fused LoRA with its shrinks in the GEMMs' K loops or in
-#: their own kernels), or "triton/flow" (vLLM's unfused flow).
-BACKENDS = ["torch", "triton/loop", "triton/kernels", "triton/flow"]
+#: "backend" or "backend/flow" (the unfused vLLM flow on a backend that fuses by default).
+BACKENDS = ["torch", "triton", "triton/flow"]
 
 
-def make_experts(w13, w2, variant, monkeypatch, **kwargs):
-    backend, _, how = variant.partition("/")
-    if how in ("loop", "kernels"):
-        monkeypatch.setenv("MOELAB_LORA_SHRINK", how)
-    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=False if how == "flow" else None, **kwargs)
-    assert experts.fused == (backend == "triton" and how != "flow" and kwargs.get("lora") is not None)
+def make_experts(w13, w2, variant, **kwargs):
+    backend, _, flow = variant.partition("/")
+    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=False if flow else None, **kwargs)
+    assert experts.fused == (variant == "triton" and kwargs.get("lora") is not None)
     return experts
 
 
@@ -69,10 +66,10 @@ def make_problem(T, K, E, H, I, dtype, device, *, L=3, ranks=(4, 8, 2), seed=0, 
         (5, 6, 6, 32, 16, torch.tensor([0, 2, -1, 1, 0])),  # K == E: every token touches every expert
     ],
 )
-def test_lora_experts_matches_reference(backend, dtype, T, K, E, H, I, lora_ids, device, monkeypatch):
+def test_lora_experts_matches_reference(backend, dtype, T, K, E, H, I, lora_ids, device):
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, lora_ids=lora_ids)
     bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
-    experts = make_experts(w13, w2, backend, monkeypatch, num_experts=E, top_k=K, lora=bank)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
     out = experts(x, w, ids, lora_ids)
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
     assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
@@ -89,7 +86,7 @@ def test_all_minus_one_takes_the_fast_path_and_equals_base(backend, device, monk
     T, K, E, H, I = 7, 2, 8, 32, 16
     x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, torch.bfloat16, device)
     bank = make_bank(adapters, E, 0, H, I, 8, torch.bfloat16, device)
-    experts = make_experts(w13, w2, backend, monkeypatch, num_experts=E, top_k=K, lora=bank)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
     base = experts(x, w, ids, None)
     none = torch.full((T,), -1)
     lora_path = experts(x, w, ids, none.to(device), has_lora=True)  # forced LoRA path: all deltas zero
@@ -105,7 +102,7 @@ def test_all_minus_one_takes_the_fast_path_and_equals_base(backend, device, monk
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("E_local", [2, 3])  # even and uneven windows over E = 6
-def test_expert_parallel_partial_sums(backend, E_local, device, monkeypatch):
+def test_expert_parallel_partial_sums(backend, E_local, device):
     T, K, E, H, I, dtype = 9, 3, 6, 32, 24, torch.float32
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, seed=4)
     full = reference.lora_experts(x, w, ids, lora_ids, w13, w2, make_bank(adapters, E, 0, H, I, 8, dtype, "cpu"))
@@ -113,7 +110,7 @@ def test_expert_parallel_partial_sums(backend, E_local, device, monkeypatch):
     for offset in range(0, E, E_local):
         n = min(E_local, E - offset)
         bank = make_bank(adapters, n, offset, H, I, 8, dtype, device)
-        experts = make_experts(w13[offset:offset + n], w2[offset:offset + n], backend, monkeypatch, num_experts=E,
+        experts = make_experts(w13[offset:offset + n], w2[offset:offset + n], backend, num_experts=E,
                                top_k=K, local_expert_offset=offset, lora=bank)
         part = experts(x, w, ids, lora_ids)
         ref_part = reference.lora_experts(x, w, ids, lora_ids, w13[offset:offset + n], w2[offset:offset + n], bank,
@@ -141,16 +138,15 @@ def test_lora_experts_rejects_bad_input(device):
         experts(x, w.to(device), ids, torch.tensor([0, 5, -1], device=device))  # adapter id outside the bank
 
 
-@pytest.mark.parametrize("backend", ["triton/loop", "triton/kernels"])
 @pytest.mark.parametrize("max_rank, ranks", [(6, (6, 1, 3, 5)), (16, (16, 16, 16, 16))])
-def test_fused_lora_many_adapters_per_tile(backend, max_rank, ranks, device, monkeypatch):
+def test_fused_lora_many_adapters_per_tile(max_rank, ranks, device):
     """Four adapters mixed inside each GEMM tile, ranks that are not powers of two, one wide bank; debug mode
     fills dead rows with NaN, which must not reach any output."""
     T, K, E, H, I, dtype = 40, 2, 4, 64, 48, torch.bfloat16
     x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, dtype, device, L=4, ranks=ranks, seed=7)
     lora_ids = (torch.arange(T) % 5 - 1).to(device)  # -1, 0, 1, 2, 3, -1, ... : every tile mixes them
     bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, device)
-    experts = make_experts(w13, w2, backend, monkeypatch, num_experts=E, top_k=K, lora=bank)
+    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, lora=bank)
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
     moelab.set_debug(True)
     try:
@@ -178,12 +174,12 @@ def test_fused_choice_and_its_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
-@pytest.mark.parametrize("backend", ["triton/loop", "triton/kernels", "triton/flow"])
-def test_lora_experts_cuda_graph_capture_and_replay(backend, monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "triton/flow"])
+def test_lora_experts_cuda_graph_capture_and_replay(backend):
     T, K, E, H, I, dtype, device = 32, 4, 8, 128, 64, torch.bfloat16, "cuda"
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device)
     bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
-    experts = make_experts(w13, w2, backend, monkeypatch, num_experts=E, top_k=K, lora=bank)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
     experts(x, w, ids, lora_ids, has_lora=True, validate=False)  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -9,7 +9,6 @@ so a tile never mixes experts.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,22 +92,6 @@ class FusedLoRA:
 
 #: Widest stacked bank (L_PAD * R_PAD) the fused path takes; wider banks run vLLM's unfused flow.
 MAX_FUSED_LORA_COLUMNS = 256
-#: Where the fused path's shrinks run (the GEMM kernels' ``LORA`` flag): two shrink kernels writing stacked rank
-#: vectors (prefill: each x row read once more, then the GEMMs only expand), or inside the GEMMs' own K loops
-#: (decode: no extra launch; each program re-reads the expert's stacked A from L2).
-LORA_SHRINK_KERNELS, LORA_IN_LOOP = 1, 2
-
-
-def lora_shrink_mode(cfg: GemmConfig) -> int:
-    """In the K loops for decode tiles (BLOCK_M 16), shrink kernels otherwise; ``MOELAB_LORA_SHRINK=loop|kernels``
-    forces one (for measurements)."""
-    forced = os.environ.get("MOELAB_LORA_SHRINK", "")
-    if forced:
-        if forced not in ("loop", "kernels"):
-            raise ValueError(f"MOELAB_LORA_SHRINK: expected 'loop' or 'kernels', got {forced!r}")
-        return LORA_IN_LOOP if forced == "loop" else LORA_SHRINK_KERNELS
-    return LORA_IN_LOOP if cfg.block_m <= 16 else LORA_SHRINK_KERNELS
-
 
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
@@ -140,31 +123,26 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
     num_n1 = triton.cdiv(I, cfg.block_n)
-    lora_g1, lora_g2 = (x,) * 7 + (0,) * 3, (x,) * 8 + (0,) * 4  # placeholders, never read without LoRA
-    lora_flags, mode = {}, 0
-    if lora is not None:
+    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3, (x,) * 3 + (0,) * 3  # placeholders, never read without LoRA
+    lora_flags = {}
+    if lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
         bank = lora.bank
         l_pad, r_pad = lora.pads
-        mode = lora_shrink_mode(cfg)
         bank_args = (E_local, bank.max_loras, bank.max_rank)
-        weights = lora.topk_weights.contiguous()
-        tile_flags = s13 = s2 = x  # LORA_IN_LOOP: no rank vectors in memory
-        if mode == LORA_SHRINK_KERNELS:
-            tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
-            s13 = torch.empty(reach, 2, l_pad * r_pad, dtype=x.dtype, device=x.device)  # stacked [up | gate]
-            s2 = torch.empty(reach, l_pad * r_pad, dtype=x.dtype, device=x.device)
-            shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, weights, routing)
-            shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
-                                BLOCK_M=cfg.block_m, BLOCK_K=64 if cfg.block_m >= 64 else 256,
-                                num_warps=8 if cfg.block_m * l_pad * r_pad > 128 * 64 else 4)
-            if live_blocks:
-                _lora_shrink_kernel[(live_blocks,)](
-                    x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
-                    GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True, **shrink_flags)
-        lora_g1 = (s13, tile_flags, lora.lora_ids, bank.up_a, bank.gate_a, bank.up_b, bank.gate_b, *bank_args)
-        lora_g2 = (s2, tile_flags, seg.row_to_slot, lora.lora_ids, weights, routing, bank.down_a, bank.down_b, K,
-                   *bank_args)
-        lora_flags = dict(LORA=mode, L_PAD=l_pad, R_PAD=r_pad)
+        tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
+        s13 = torch.empty(reach, 2, l_pad * r_pad, dtype=x.dtype, device=x.device)  # stacked [up | gate]
+        s2 = torch.empty(reach, l_pad * r_pad, dtype=x.dtype, device=x.device)
+        shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, lora.topk_weights.contiguous(), routing)
+        shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
+                            BLOCK_M=cfg.block_m, BLOCK_K=64 if cfg.block_m >= 64 else 256,
+                            num_warps=8 if cfg.block_m * l_pad * r_pad > 128 * 64 else 4)
+        if live_blocks:
+            _lora_shrink_kernel[(live_blocks,)](
+                x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
+                GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True, **shrink_flags)
+        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args)
+        lora_g2 = (s2, tile_flags, bank.down_b, *bank_args)
+        lora_flags = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
     _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
@@ -174,7 +152,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
     )
-    if mode == LORA_SHRINK_KERNELS and live_blocks:
+    if lora is not None and live_blocks:
         _lora_shrink_kernel[(live_blocks,)](
             act, bank.down_a, bank.down_a, s2, tile_flags, *shrink_args, I, K, *bank_args, act.stride(0),
             GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False, **shrink_flags)

@@ -45,6 +45,24 @@ def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
 
 
 @triton.jit
+def _stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Stacked A^T of this expert, bank ``A [L, E_local, max_rank, D]``: the offset of column j's row and whether
+    it exists (int64 [L_PAD*R_PAD], bool), plus the adapter of each column."""
+    j = tl.arange(0, L_PAD * R_PAD)
+    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
+    a_cols = (adapter * num_local_experts + expert) * max_rank * D + rank * D
+    return a_cols, (adapter < num_loras) & (rank < max_rank), adapter
+
+
+@triton.jit
+def _caller_weight_ratio(weights_ptr, packed_ptr, slots, has):
+    """``w[slot] / bf16(w[slot])`` per row (0 where ``has`` is False or the bf16 weight is 0), fp32 [BLOCK_M]."""
+    w = tl.load(weights_ptr + slots, mask=has, other=0.0).to(tl.float32)
+    w_bf16 = ((tl.load(packed_ptr + slots, mask=has, other=0) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     in_ptr, a0_ptr, a1_ptr, out_ptr, tile_flags_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr,
     weights_ptr, packed_ptr,
@@ -106,24 +124,6 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
-def _stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Stacked A^T of this expert, bank ``A [L, E_local, max_rank, D]``: the offset of column j's row and whether
-    it exists (int64 [L_PAD*R_PAD], bool), plus the adapter of each column."""
-    j = tl.arange(0, L_PAD * R_PAD)
-    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
-    a_cols = (adapter * num_local_experts + expert) * max_rank * D + rank * D
-    return a_cols, (adapter < num_loras) & (rank < max_rank), adapter
-
-
-@triton.jit
-def _caller_weight_ratio(weights_ptr, packed_ptr, slots, has):
-    """``w[slot] / bf16(w[slot])`` per row (0 where ``has`` is False or the bf16 weight is 0), fp32 [BLOCK_M]."""
-    w = tl.load(weights_ptr + slots, mask=has, other=0.0).to(tl.float32)
-    w_bf16 = ((tl.load(packed_ptr + slots, mask=has, other=0) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    return tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
-
-
-@triton.jit
 def _expand_stacked(s, b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, max_rank, acc,
                     L_PAD: tl.constexpr, R_PAD: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + s @ B^T: the tile's stacked rank vectors s [BLOCK_M, L_PAD*R_PAD] (input dtype) and the stacked B^T
@@ -143,13 +143,11 @@ def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
-    # fused LoRA: LORA=1 reads stacked W13 rank vectors [R1, 2, L_PAD*R_PAD] and tile flags; LORA=2 shrinks in
-    # its own K loop from the adapter ids and the bank's A_up, A_gate; both expand with B_up and B_gate
-    s13_ptr, tile_flags_ptr, lora_ids_ptr, up_a_ptr, gate_a_ptr, up_b_ptr, gate_b_ptr,
-    num_local_experts, num_loras, max_rank,
+    # fused LoRA (LORA): stacked W13 rank vectors [R1, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate
+    s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LORA: tl.constexpr = 0, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
+    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
@@ -176,11 +174,6 @@ def _gemm1_swiglu_kernel(
     up_ptrs = gate_ptrs + I * stride_w_n
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LORA == 2:  # W13 shrink in this loop: stacked [BLOCK_K, L_PAD*R_PAD] tiles of A_up and A_gate
-        a_cols, a_ok, a_adapter = _stacked_a(expert, num_local_experts, num_loras, max_rank, H, L_PAD, R_PAD)
-        a_offs = a_cols[None, :] + ks[:, None]
-        acc_su = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
-        acc_sg = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -195,15 +188,6 @@ def _gemm1_swiglu_kernel(
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
-        if LORA == 2:
-            a_mask = a_ok[None, :] & ((ks + k0 * BLOCK_K) < H)[:, None]
-            su = tl.load(up_a_ptr + a_offs, mask=a_mask, other=0.0)
-            sg = tl.load(gate_a_ptr + a_offs, mask=a_mask, other=0.0)
-            if DOT_F32:
-                su, sg = su.to(tl.float32), sg.to(tl.float32)
-            acc_su = tl.dot(a, su, acc_su, input_precision=DOT_PRECISION)
-            acc_sg = tl.dot(a, sg, acc_sg, input_precision=DOT_PRECISION)
-            a_offs += BLOCK_K
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -213,19 +197,12 @@ def _gemm1_swiglu_kernel(
         acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
     bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank)
-    if LORA == 1:
+    if LORA:
         if tl.load(tile_flags_ptr + pid_m) != 0:  # W13 LoRA, [up | gate] rank vectors, expanded before SwiGLU
             s_ptrs = s13_ptr + rows.to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + tl.arange(0, L_PAD * R_PAD)[None, :]
             acc_up = _expand_stacked(tl.load(s_ptrs), up_b_ptr, *bank, acc_up, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
             acc_gate = _expand_stacked(tl.load(s_ptrs + L_PAD * R_PAD), gate_b_ptr, *bank, acc_gate, L_PAD, R_PAD,
                                        DOT_F32, DOT_PRECISION)
-    if LORA == 2:  # keep each row's own adapter block, round like vLLM, expand before SwiGLU
-        adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
-        own = a_adapter[None, :] == adapters[:, None]
-        su = to_output(tl.where(own, acc_su, 0.0), x_ptr.dtype.element_ty)
-        sg = to_output(tl.where(own, acc_sg, 0.0), x_ptr.dtype.element_ty)
-        acc_up = _expand_stacked(su, up_b_ptr, *bank, acc_up, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
-        acc_gate = _expand_stacked(sg, gate_b_ptr, *bank, acc_gate, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = tl.where(row_ok[:, None], act, DEAD_FILL)
     tl.store(out_ptrs, to_output(act, act_ptr.dtype.element_ty), mask=out_mask)
@@ -236,13 +213,11 @@ def _gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
-    # fused LoRA: LORA=1 reads stacked, weighted W2 rank vectors [R1, L_PAD*R_PAD] and tile flags; LORA=2
-    # shrinks in its own K loop (A_down, ids, both routing weights); both expand with B_down
-    s2_ptr, tile_flags_ptr, row_to_slot_ptr, lora_ids_ptr, weights_ptr, packed_ptr, down_a_ptr, down_b_ptr,
-    top_k, num_local_experts, num_loras, max_rank,
+    # fused LoRA (LORA): stacked W2 rank vectors [R1, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down
+    s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LORA: tl.constexpr = 0, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
+    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
@@ -263,10 +238,6 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LORA == 2:  # W2 shrink in this loop: stacked [BLOCK_K, L_PAD*R_PAD] tiles of A_down
-        a_cols, a_ok, a_adapter = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
-        a_offs = a_cols[None, :] + ks[:, None]
-        acc_s = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -278,26 +249,11 @@ def _gemm2_kernel(
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if LORA == 2:
-            da = tl.load(down_a_ptr + a_offs, mask=a_ok[None, :] & ((ks + k0 * BLOCK_K) < I)[:, None], other=0.0)
-            if DOT_F32:
-                da = da.to(tl.float32)
-            acc_s = tl.dot(a, da, acc_s, input_precision=DOT_PRECISION)
-            a_offs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     bank = (expert, cols, col_ok, H, num_local_experts, num_loras, max_rank)
-    if LORA == 1:
+    if LORA:
         if tl.load(tile_flags_ptr + pid_m) != 0:  # W2 LoRA: expand the (weighted) rank vectors
             s_ptrs = s2_ptr + rows.to(tl.int64)[:, None] * (L_PAD * R_PAD) + tl.arange(0, L_PAD * R_PAD)[None, :]
             acc = _expand_stacked(tl.load(s_ptrs), down_b_ptr, *bank, acc, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
-    if LORA == 2:  # own adapter block, times the caller's / the bf16 weight, rounded like vLLM, expanded
-        slots = tl.load(row_to_slot_ptr + rows)
-        row_ok = slots >= 0
-        slots = tl.where(row_ok, slots, 0).to(tl.int64)
-        adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
-        ratio = _caller_weight_ratio(weights_ptr, packed_ptr, slots, adapters >= 0)
-        own = a_adapter[None, :] == adapters[:, None]
-        s2 = to_output(tl.where(own, acc_s * ratio[:, None], 0.0), act_ptr.dtype.element_ty)
-        acc = _expand_stacked(s2, down_b_ptr, *bank, acc, L_PAD, R_PAD, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
