@@ -24,7 +24,7 @@ from torch import nn
 
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_same_device, check_tensor
 from moelab.lora import LoRABank, check_lora_routing, lora_segments, w2_lora_delta, w13_lora_delta
-from moelab.moe import prepare_weights, routed_moe
+from moelab.moe import prepare_weights, routed_moe, validate_call
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
 from moelab.packing import pack_topk_ids_weights
 
@@ -137,13 +137,15 @@ class LoRAExperts(nn.Module):
     def _forward_fused(self, packed, hidden_states, topk_weights, topk_ids, lora_ids, output, validate):
         from moelab.backends import triton_backend
 
+        # The checks routed_moe and the two deltas make on the flow (the fused path calls neither).
+        call = validate_call(packed, hidden_states, self.weights, self.num_experts, self.top_k,
+                             self.local_expert_offset, None, True, output, validate)
         check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, validate)
-        if hidden_states.dtype != self.lora.dtype:
-            raise TypeError(f"hidden_states: expected the bank's dtype {self.lora.dtype}, got {hidden_states.dtype}")
         check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES + (torch.float64,), shape=topk_ids.shape)
-        check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
+        check_same_device(hidden_states=hidden_states, topk_weights=topk_weights, lora_ids=lora_ids,
+                          bank=self.lora.gate_a)
         if hidden_states.shape[0] == 0:
             return output
         lora = triton_backend.FusedLoRA(self.lora, lora_ids, topk_weights)
-        return triton_backend.lora_experts_fused(packed, hidden_states.contiguous(), self.weights, lora,
-                                                 self.num_experts, self.local_expert_offset, output)
+        return triton_backend.lora_experts_fused(packed, call.hidden_states, self.weights, lora, self.num_experts,
+                                                 self.local_expert_offset, output)

@@ -169,8 +169,8 @@ def routed_moe(topk, hidden_states: torch.Tensor, weights: MoEWeights, *, num_ex
         >>> routed_moe((ids, torch.rand(3, 2)), x, w, num_experts=4, top_k=2)[0].shape
         torch.Size([3, 32])
     """
-    call = _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
-                     do_finalize, output, validate)
+    call = validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
+                         do_finalize, output, validate)
     result = get_backend(weights.backend).routed_moe(call)
     if do_finalize:
         if gemm1_lora_delta is None:
@@ -182,8 +182,10 @@ def routed_moe(topk, hidden_states: torch.Tensor, weights: MoEWeights, *, num_ex
     return outs
 
 
-def _validate(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
-              do_finalize, output, validate) -> RoutedMoECall:
+def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
+                  do_finalize, output, validate) -> RoutedMoECall:
+    """Check :func:`routed_moe`'s arguments (SPEC §7 errors) and bundle them; ``validate`` adds the id checks
+    that read the device."""
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights: expected MoEWeights from prepare_weights(), got {type(weights).__name__}")
     E_local, H, I = weights.num_local_experts, weights.hidden_size, weights.intermediate_size

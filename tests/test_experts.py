@@ -173,6 +173,27 @@ def test_fused_choice_and_its_errors(device):
         moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton", fused=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_calls_rejected_on_every_path(backend, device):
+    """The fused path calls neither routed_moe nor the deltas: it must reject what they reject."""
+    E, K, H, I = 4, 2, 16, 16
+    w13, w2 = random_experts(E, H, I, torch.float32, device=device)
+    bank = moelab.LoRABank(2, E, H, I, 4, dtype=torch.float32, device=device)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
+    x, ids = torch.randn(3, H, device=device), random_topk_ids(3, K, E, device=device)
+    w, lora_ids = torch.rand(3, K, device=device), torch.tensor([0, 1, -1], device=device)
+    with pytest.raises(ValueError, match="hidden_states.*shape"):
+        experts(torch.randn(3, H + 1, device=device), w, ids, lora_ids)
+    with pytest.raises(TypeError, match="hidden_states.*dtype"):
+        experts(x.double(), w, ids, lora_ids)
+    with pytest.raises(ValueError, match="topk_weights|weights"):
+        experts(x, w[:, :1], ids, lora_ids)
+    with pytest.raises(ValueError, match="lora_ids"):
+        experts(x, w, ids, torch.tensor([0, 2, -1], device=device))  # slot 2 of a 2-slot bank
+    with pytest.raises(ValueError, match="expert ids|topk"):
+        experts(x, w, torch.full((3, K), E, dtype=torch.int32, device=device), lora_ids)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
 @pytest.mark.parametrize("backend", ["triton", "triton/flow"])
 def test_lora_experts_cuda_graph_capture_and_replay(backend):
