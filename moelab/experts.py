@@ -4,10 +4,10 @@
     W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
     -> unpermute act to [T*K, I] (non-local rows zero) -> W2 delta [T,K,H], weighted -> one fused finalize
 
-On the triton backend the same sums run *fused* by default (``fused=True``): the W13 shrink is one extra
-launch and every other LoRA product lives in the grouped GEMMs' tiles, so neither delta goes through memory
-(``moelab/kernels/moe_gemm.py``, "Fused LoRA"). ``fused=False`` runs the flow above literally, as the
-flashinfer backend must (its kernel is closed) and the torch backend does.
+On the triton backend the same sums run *fused* by default (``fused=True``): two small shrink kernels write
+rank vectors and the expands live in the grouped GEMMs' tiles, so neither delta nor the unpermuted activation
+goes through memory (``moelab/kernels/moe_gemm.py``, "Fused LoRA"). ``fused=False`` runs the flow above
+literally, as the flashinfer backend must (its kernel is closed) and the torch backend does.
 
 The base term uses the bf16 weights packing produces; the W2 LoRA term the caller's weights (as vLLM does).
 A token without an adapter comes out bit-for-bit as the base path computes it (torch and triton backends):

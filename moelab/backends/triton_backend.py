@@ -19,6 +19,7 @@ from moelab import _runtime
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel, _lora_shrink_kernel
 from moelab.kernels.segments import build_segments_triton
+from moelab.lora import LoRABank
 from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.permutation import next_pow2
 
@@ -79,7 +80,7 @@ class FusedLoRA:
     ``topk_weights`` float [T, K], the caller's routing weights (the W2 LoRA term is weighted by them).
     """
 
-    bank: object
+    bank: LoRABank
     lora_ids: torch.Tensor
     topk_weights: torch.Tensor
 
@@ -92,6 +93,7 @@ class FusedLoRA:
 
 #: Widest stacked bank (L_PAD * R_PAD) the fused path takes; wider banks run vLLM's unfused flow.
 MAX_FUSED_LORA_COLUMNS = 256
+
 
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
