@@ -10,9 +10,11 @@ goes through memory (``moelab/kernels/moe_gemm.py``, "Fused LoRA"). ``fused=Fals
 literally, as the flashinfer backend must (its kernel is closed) and the torch backend does.
 
 The base term uses the bf16 weights packing produces; the W2 LoRA term the caller's weights (as vLLM does).
-A token without an adapter comes out bit-for-bit as the base path computes it (torch and triton backends):
-its delta rows are exact zeros, the GEMMs run the same tiles, and the finalize finishes the base sum before
-it adds the (zero) LoRA sum.
+A token without an adapter comes out bit-for-bit as the base path computes it (torch and triton backends): on the
+flow its delta rows are exact zeros, the GEMMs run the same tiles, and the finalize finishes the base sum before
+it adds the (zero) LoRA sum; on the fused path its rank vectors are exact zeros, so the GEMM epilogues add exact
+zeros to the same accumulators. Both rest on a finite bank (``LoRABank`` rejects inf and NaN): a fused tile
+multiplies every adapter's B by the other rows' zeros.
 """
 
 from __future__ import annotations
@@ -89,14 +91,15 @@ class LoRAExperts(nn.Module):
             return False
         columns = None
         if self.backend == "triton":  # (the import needs triton, which that backend has)
-            from moelab.backends.triton_backend import MAX_FUSED_LORA_COLUMNS, FusedLoRA
+            from moelab.backends.triton_backend import FusedLoRA
 
             columns = math.prod(FusedLoRA(self.lora, None, None).pads)
-        fits = columns is not None and columns <= MAX_FUSED_LORA_COLUMNS
+        fits = columns is not None and columns <= _max_fused_columns()
         if fused and not fits:
-            raise ValueError(f"fused: the fused LoRA path needs the triton backend and a bank of at most 256 "
-                             f"stacked columns (max_loras and max_rank padded to powers of two, multiplied); "
-                             f"got backend {self.backend!r}, {columns} columns; pass fused=False")
+            what = f"{columns} stacked columns" if columns is not None else f"backend {self.backend!r}"
+            raise ValueError(f"fused: the fused LoRA path needs the triton backend and a bank of at most "
+                             f"{_max_fused_columns()} stacked columns (max_loras and max_rank padded to powers of "
+                             f"two, multiplied); got {what}; pass fused=False")
         return fits
 
     @property
@@ -146,6 +149,12 @@ class LoRAExperts(nn.Module):
                           bank=self.lora.gate_a)
         if hidden_states.shape[0] == 0:
             return output
-        lora = triton_backend.FusedLoRA(self.lora, lora_ids, topk_weights)
+        lora = triton_backend.FusedLoRA(self.lora, lora_ids.contiguous(), topk_weights)
         return triton_backend.lora_experts_fused(packed, call.hidden_states, self.weights, lora, self.num_experts,
                                                  self.local_expert_offset, output)
+
+
+def _max_fused_columns() -> int:
+    from moelab.backends.triton_backend import MAX_FUSED_LORA_COLUMNS
+
+    return MAX_FUSED_LORA_COLUMNS

@@ -138,13 +138,17 @@ class LoRABank:
                              f"{self.max_rank}; make a bank with max_rank >= {rank}")
         check_int("rank", rank, low=1)
         E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
+        converted = {}
         for name, t in given.items():
             check_tensor(name, t, shape=_BANK_TENSORS[name](E, H, I, rank))
-        self.reset(slot)
-        for name, t in given.items():
-            dst = getattr(self, name)[slot]
             if name.endswith("_b"):
                 t = t.to(torch.promote_types(t.dtype, torch.float32)) * scaling
+            converted[name] = t.to(self.dtype)
+            _check_finite(name, converted[name])
+        self.reset(slot)
+        for name, t in converted.items():
+            dst = getattr(self, name)[slot]
+            if name.endswith("_b"):
                 dst[:, :, :rank].copy_(t)
             else:
                 dst[:, :rank, :].copy_(t)
@@ -183,9 +187,18 @@ class LoRABank:
         bank = cls(**sizes, dtype=tensors["gate_a"].dtype, device=device)
         for name, t in tensors.items():
             check_tensor(name, t, shape=tuple(getattr(bank, name).shape))
+            _check_finite(name, t)
             getattr(bank, name).copy_(t)
         bank.ranks = [int(r) for r in json.loads(meta["ranks"])]
         return bank
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    """A bank holds finite values only: the fused kernels multiply every slot's B by the other slots' zeros, and
+    0 * inf would turn one adapter's overflow into NaN for every row of a tile (base tokens included)."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name}: expected finite values in the bank's dtype {t.dtype}, got inf or NaN "
+                         f"(a large scaling can overflow float16: scale down, or use a bfloat16 bank)")
 
 
 # ---------------------------------------------------------------------------------------------- segments

@@ -159,6 +159,38 @@ def test_fused_lora_many_adapters_per_tile(max_rank, ranks, device):
     assert torch.equal(out[lora_ids < 0], base[lora_ids < 0])
 
 
+@pytest.mark.parametrize("L, max_rank", [(1, 4), (16, 16)])  # R_PAD padded past max_rank; the widest fused bank
+def test_fused_lora_bank_widths(L, max_rank, device):
+    T, K, E, H, I, dtype = 20, 2, 4, 32, 16, torch.bfloat16
+    ranks = tuple(max_rank - (slot % 3) for slot in range(L))
+    x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, dtype, device, L=L, ranks=ranks, seed=3)
+    lora_ids = (torch.arange(T) % (L + 1) - 1).to(device)
+    bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, device)
+    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, lora=bank)
+    out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], dtype, f"L={L} output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, f"L={L} LoRA part")
+    assert torch.equal(out[lora_ids < 0], base[lora_ids < 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_lora_ids_and_unvalidated_ids_outside_the_bank(backend, device):
+    """A column view of a wider id tensor is read by its strides; with validate=False an id past the bank is
+    "no adapter" on every path (validate=True rejects it: test_bad_calls_rejected_on_every_path)."""
+    T, K, E, H, I, dtype = 9, 2, 4, 32, 16, torch.float32
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, seed=5)
+    bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
+    strided = torch.stack([lora_ids, torch.full_like(lora_ids, 7)], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    assert torch.equal(experts(x, w, ids, strided), experts(x, w, ids, lora_ids.clone()))
+    outside = lora_ids.clone()
+    outside[::2] = 50  # past the bank's 3 slots
+    no_adapter = torch.where(outside == 50, -1, lora_ids)
+    assert torch.equal(experts(x, w, ids, outside, validate=False), experts(x, w, ids, no_adapter))
+
+
 def test_fused_choice_and_its_errors(device):
     E, K, H, I = 4, 2, 16, 16
     w13, w2 = random_experts(E, H, I, torch.float32, device=device)
@@ -169,7 +201,7 @@ def test_fused_choice_and_its_errors(device):
         moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="yes")
     wide = moelab.LoRABank(8, E, H, I, 64, dtype=torch.float32, device=device)  # 8 * 64 stacked columns
     assert not moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton").fused
-    with pytest.raises(ValueError, match="fused.*512 columns"):
+    with pytest.raises(ValueError, match="fused.*got 512 stacked columns"):
         moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton", fused=True)
 
 

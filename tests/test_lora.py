@@ -274,6 +274,24 @@ def test_bank_save_load_round_trip(tmp_path):
         assert torch.equal(getattr(loaded, name), getattr(bank, name))
 
 
+def test_bank_rejects_non_finite_values(tmp_path):
+    """fp16 overflow from a large scaling, or a NaN factor: rejected, and the slot is left as it was."""
+    E, H, I, r = 1, 8, 8, 2
+    bank = LoRABank(1, E, H, I, 4, dtype=torch.float16)
+    adapter = random_adapter(E, H, I, r)
+    with pytest.raises(ValueError, match="gate_b.*finite.*float16"):
+        bank.set(0, **adapter, scaling=1e6)  # B * 1e6 overflows float16
+    assert bank.ranks == [0] and not bank.gate_b.any()
+    with pytest.raises(ValueError, match="down_a.*finite"):
+        bank.set(0, **{**adapter, "down_a": torch.full((E, r, I), float("nan"))})
+    bank.set(0, **adapter)
+    bank.up_b[0, 0, 0, 0] = float("inf")  # written behind the bank's back, then saved
+    path = tmp_path / "bank.safetensors"
+    bank.save(path)
+    with pytest.raises(ValueError, match="up_b.*finite"):
+        LoRABank.load(path)
+
+
 def test_bank_load_rejects_foreign_file(tmp_path):
     from safetensors.torch import save_file
 

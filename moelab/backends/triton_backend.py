@@ -3,7 +3,8 @@ interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), n
 
 Pipeline (launches): segments by local expert (one Triton program up to 1024 slots, else three) ->
 GEMM1 + LoRA delta + SwiGLU -> GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M,
-so a tile never mixes experts.
+so a tile never mixes experts. With a fused LoRA bank (``LoRAExperts``): segments -> W13 shrink -> GEMM1 (+expand)
+-> W2 shrink -> GEMM2 (+expand) -> finalize.
 """
 
 from __future__ import annotations

@@ -17,16 +17,17 @@ deltas. A tile's rows may carry different adapters, so the bank is used *stacked
 ``adapter``, and a row's rank vector is zero outside its own adapter's block. One dot with the stacked B then
 expands every row with its own adapter.
 
-    _lora_shrink_kernel (W13)  s13[p] = [A_up x[t] | A_gate x[t]] of row p's adapter, stacked  [R1, 2, L*R]
+    _lora_shrink_kernel (W13)  s13[p] = [A_up x[t] | A_gate x[t]] of row p's adapter, stacked  [R, 2, L_PAD*R_PAD]
     gemm1 epilogue             acc_up += s13_up[p] B_up^T, acc_gate += s13_gate[p] B_gate^T, before SwiGLU
-    _lora_shrink_kernel (W2)   s2[p] = A_down act[p] * w[slot] / bf16(w[slot]), stacked       [R1, L*R]
+    _lora_shrink_kernel (W2)   s2[p] = A_down act[p] * w[slot] / bf16(w[slot]), stacked       [R, L_PAD*R_PAD]
     gemm2 epilogue             acc += s2[p] B_down^T
 
-The factor ``w / bf16(w)`` turns the bf16 routing weight the finalize applies into the caller's weight for the
-LoRA term, as vLLM's flow weights its W2 delta. Rank vectors are accumulated in fp32 and rounded to the input
-dtype, like vLLM's. The W13 shrink marks the tiles that hold any adapter (``tile_flags``); the other tiles
-skip every LoRA step, and a row without an adapter adds exact zeros, so its output is bit for bit the base
-path's.
+R is the number of rows the live tiles can reach. The factor ``w / bf16(w)`` turns the bf16 routing weight the
+finalize applies into the caller's weight for the LoRA term, as vLLM's flow weights its W2 delta. Rank vectors
+are accumulated in fp32 and rounded to the input dtype, like vLLM's. The W13 shrink marks the tiles that hold any
+adapter (``tile_flags``); the other tiles skip every LoRA step, and a row without an adapter adds exact zeros, so
+its output is bit for bit the base path's as long as the bank is finite (0 * inf is NaN; ``LoRABank`` rejects
+non-finite values).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
-    # fused LoRA (LORA): stacked W13 rank vectors [R1, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate
+    # fused LoRA (LORA): stacked W13 rank vectors [R, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate
     s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -213,7 +214,7 @@ def _gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
-    # fused LoRA (LORA): stacked W2 rank vectors [R1, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down
+    # fused LoRA (LORA): stacked W2 rank vectors [R, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down
     s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
