@@ -96,6 +96,13 @@ class FusedLoRA:
 MAX_FUSED_LORA_COLUMNS = 256
 
 
+def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
+    """BLOCK_K of the LoRA shrink kernels: 256 for decode tiles, 64 for prefill tiles (H200), smaller when a
+    pipeline stage (x tile + two stacked A tiles, ``BK * (BLOCK_M + 2 * columns)`` elements) would pass 64 KB."""
+    fits = 65536 // (itemsize * (block_m + 2 * columns))
+    return max(16, min(256 if block_m < 64 else 64, 1 << (fits.bit_length() - 1)))
+
+
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
@@ -137,7 +144,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         s2 = torch.empty(reach, l_pad * r_pad, dtype=x.dtype, device=x.device)
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, lora.topk_weights.contiguous(), routing)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
-                            BLOCK_M=cfg.block_m, BLOCK_K=64 if cfg.block_m >= 64 else 256,
+                            BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, l_pad * r_pad, x.element_size()),
                             num_warps=8 if cfg.block_m * l_pad * r_pad > 128 * 64 else 4)
         if live_blocks:
             _lora_shrink_kernel[(live_blocks,)](
