@@ -24,8 +24,15 @@ import math
 import torch
 from torch import nn
 
-from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_same_device, check_tensor
-from moelab.lora import LoRABank, check_lora_routing, lora_segments, w2_lora_delta, w13_lora_delta
+from moelab._checks import INT_DTYPES, check_same_device, check_tensor
+from moelab.lora import (
+    MAX_FUSED_LORA_COLUMNS,
+    LoRABank,
+    check_lora_routing,
+    lora_segments,
+    w2_lora_delta,
+    w13_lora_delta,
+)
 from moelab.moe import prepare_weights, routed_moe, validate_call
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
 from moelab.packing import pack_topk_ids_weights
@@ -43,7 +50,7 @@ class LoRAExperts(nn.Module):
         lora: a :class:`moelab.LoRABank` over the same local experts, or None (base MoE only).
         backend: "auto", "flashinfer", "triton" or "torch".
         fused: fold the LoRA into the triton backend's GEMMs (see above). None: yes on the triton backend when
-            the bank is at most ``MAX_FUSED_LORA_COLUMNS`` wide (L and max_rank padded to powers of two,
+            the bank is at most ``moelab.lora.MAX_FUSED_LORA_COLUMNS`` wide (L and max_rank padded to powers of two,
             multiplied); True is only valid there; False: vLLM's unfused flow.
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
@@ -89,16 +96,12 @@ class LoRAExperts(nn.Module):
             raise TypeError(f"fused: expected True, False or None, got {type(fused).__name__}")
         if self.lora is None or fused is False:
             return False
-        columns = None
-        if self.backend == "triton":  # (the import needs triton, which that backend has)
-            from moelab.backends.triton_backend import FusedLoRA
-
-            columns = math.prod(FusedLoRA(self.lora, None, None).pads)
-        fits = columns is not None and columns <= _max_fused_columns()
+        columns = math.prod(self.lora.stacked_pads)
+        fits = self.backend == "triton" and columns <= MAX_FUSED_LORA_COLUMNS
         if fused and not fits:
-            what = f"{columns} stacked columns" if columns is not None else f"backend {self.backend!r}"
+            what = f"{columns} stacked columns" if self.backend == "triton" else f"backend {self.backend!r}"
             raise ValueError(f"fused: the fused LoRA path needs the triton backend and a bank of at most "
-                             f"{_max_fused_columns()} stacked columns (max_loras and max_rank padded to powers of "
+                             f"{MAX_FUSED_LORA_COLUMNS} stacked columns (max_loras and max_rank padded to powers of "
                              f"two, multiplied); got {what}; pass fused=False")
         return fits
 
@@ -143,18 +146,11 @@ class LoRAExperts(nn.Module):
         # The checks routed_moe and the two deltas make on the flow (the fused path calls neither).
         call = validate_call(packed, hidden_states, self.weights, self.num_experts, self.top_k,
                              self.local_expert_offset, None, True, output, validate)
+        # (topk_weights: checked against topk_ids by the packing above)
         check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, validate)
-        check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES + (torch.float64,), shape=topk_ids.shape)
-        check_same_device(hidden_states=hidden_states, topk_weights=topk_weights, lora_ids=lora_ids,
-                          bank=self.lora.gate_a)
+        check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         if hidden_states.shape[0] == 0:
             return output
         lora = triton_backend.FusedLoRA(self.lora, lora_ids.contiguous(), topk_weights)
         return triton_backend.lora_experts_fused(packed, call.hidden_states, self.weights, lora, self.num_experts,
                                                  self.local_expert_offset, output)
-
-
-def _max_fused_columns() -> int:
-    from moelab.backends.triton_backend import MAX_FUSED_LORA_COLUMNS
-
-    return MAX_FUSED_LORA_COLUMNS

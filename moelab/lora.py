@@ -100,6 +100,13 @@ class LoRABank:
     def device(self) -> torch.device:
         return self.gate_a.device
 
+    @property
+    def stacked_pads(self) -> tuple[int, int]:
+        """(L_PAD, R_PAD) of the fused kernels' stacked layout (``moelab/kernels/moe_gemm.py``): slots and ranks
+        padded to powers of two, with L_PAD * R_PAD >= 16 (``tl.dot``'s minimum)."""
+        l_pad = next_pow2(self.max_loras)
+        return l_pad, max(next_pow2(self.max_rank), 16 // min(l_pad, 16))
+
     def __repr__(self) -> str:
         return (f"LoRABank(max_loras={self.max_loras}, num_local_experts={self.num_local_experts}, "
                 f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -202,6 +209,10 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- segments
+
+#: Widest stacked bank (L_PAD * R_PAD, :attr:`LoRABank.stacked_pads`) the fused path of ``LoRAExperts`` takes; wider
+#: banks run vLLM's unfused flow.
+MAX_FUSED_LORA_COLUMNS = 256
 
 #: The Triton kernel runs one program per slot (finding each slot's group itself, nothing sorted) while the A and B
 #: bytes those programs stream, ``T*K * r * 3(H + I) * itemsize``, stay under this budget; above it the slots are

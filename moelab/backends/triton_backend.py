@@ -22,7 +22,6 @@ from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel, _lora_s
 from moelab.kernels.segments import build_segments_triton
 from moelab.lora import LoRABank
 from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
-from moelab.permutation import next_pow2
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -85,16 +84,6 @@ class FusedLoRA:
     lora_ids: torch.Tensor
     topk_weights: torch.Tensor
 
-    @property
-    def pads(self) -> tuple[int, int]:
-        """(L_PAD, R_PAD): adapters and ranks padded to powers of two, L_PAD * R_PAD >= 16 (tl.dot's minimum)."""
-        l_pad = next_pow2(self.bank.max_loras)
-        return l_pad, max(next_pow2(self.bank.max_rank), 16 // min(l_pad, 16))
-
-
-#: Widest stacked bank (L_PAD * R_PAD) the fused path takes; wider banks run vLLM's unfused flow.
-MAX_FUSED_LORA_COLUMNS = 256
-
 
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
     """BLOCK_K of the LoRA shrink kernels: 256 for decode tiles, 64 for prefill tiles (H200), smaller when a
@@ -137,7 +126,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     lora_flags = {}
     if lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
         bank = lora.bank
-        l_pad, r_pad = lora.pads
+        l_pad, r_pad = bank.stacked_pads
         bank_args = (E_local, bank.max_loras, bank.max_rank)
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
         s13 = torch.empty(reach, 2, l_pad * r_pad, dtype=x.dtype, device=x.device)  # stacked [up | gate]
