@@ -25,3 +25,20 @@ def to_output(x, dtype: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def shrink_step(x, a0_ptr, a1_ptr, a_offs, a_mask, acc0, acc1, NUM_SLICES: tl.constexpr, DOT_F32: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """One K step of a LoRA shrink: ``acc_j += x @ A_j^T`` for the 1 or 2 A banks, the [BLOCK_K, columns] tile of
+    A^T read at ``a_offs`` (``a_mask``); x [BLOCK_M, BLOCK_K] is read once for both. Returns (acc0, acc1)."""
+    a0 = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
+    if DOT_F32:
+        x, a0 = x.to(tl.float32), a0.to(tl.float32)
+    acc0 = tl.dot(x, a0, acc0, input_precision=DOT_PRECISION)
+    if NUM_SLICES == 2:
+        a1 = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
+        if DOT_F32:
+            a1 = a1.to(tl.float32)
+        acc1 = tl.dot(x, a1, acc1, input_precision=DOT_PRECISION)
+    return acc0, acc1

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import to_output
+from moelab.kernels._common import shrink_step, to_output
 from moelab.permutation import Segments
 
 __all__ = ["lora_shrink_expand_triton"]
@@ -139,17 +139,8 @@ def _lora_shrink_expand_kernel(
             k_mask = ks < D_in
             x = tl.load(x_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             a_offs = bank_a + offs_r[None, :] * D_in + ks[:, None]  # the [BLOCK_K, BLOCK_R] tile of A^T
-            a_mask = k_mask[:, None] & r_mask[None, :]
-            a0_t = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
-            if DOT_F32:
-                x = x.to(tl.float32)
-                a0_t = a0_t.to(tl.float32)
-            acc0 = tl.dot(x, a0_t, acc0, input_precision=INPUT_PRECISION)
-            if NUM_SLICES == 2:
-                a1_t = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
-                if DOT_F32:
-                    a1_t = a1_t.to(tl.float32)
-                acc1 = tl.dot(x, a1_t, acc1, input_precision=INPUT_PRECISION)
+            acc0, acc1 = shrink_step(x, a0_ptr, a1_ptr, a_offs, k_mask[:, None] & r_mask[None, :], acc0, acc1,
+                                     NUM_SLICES, DOT_F32, INPUT_PRECISION)
         weight = tl.zeros([BLOCK_M], dtype=tl.float32)
         if MUL_WEIGHT:
             weight = tl.load(weight_ptr + slot64, mask=row_mask, other=0.0).to(tl.float32)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.kernels._common import to_output
+from moelab.kernels._common import shrink_step, to_output
 
 
 @triton.jit
@@ -103,16 +103,8 @@ def _lora_shrink_kernel(
             k_ok = k < D
             xt = tl.load(in_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a_offs = a_cols[None, :] + k[:, None]  # [BLOCK_K, L_PAD*R_PAD]
-            a_mask = k_ok[:, None] & a_ok[None, :]
-            a0 = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
-            if DOT_F32:
-                xt, a0 = xt.to(tl.float32), a0.to(tl.float32)
-            acc0 = tl.dot(xt, a0, acc0, input_precision=DOT_PRECISION)
-            if NUM_SLICES == 2:
-                a1 = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
-                if DOT_F32:
-                    a1 = a1.to(tl.float32)
-                acc1 = tl.dot(xt, a1, acc1, input_precision=DOT_PRECISION)
+            acc0, acc1 = shrink_step(xt, a0_ptr, a1_ptr, a_offs, k_ok[:, None] & a_ok[None, :], acc0, acc1,
+                                     NUM_SLICES, DOT_F32, DOT_PRECISION)
             in_ptrs += BLOCK_K
         own = adapter[None, :] == adapters[:, None]  # [BLOCK_M, L_PAD*R_PAD]
         if WEIGHTED:
