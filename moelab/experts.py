@@ -6,7 +6,8 @@
 
 On the triton backend the same sums run *fused* by default (``fused=True``): two small shrink kernels write
 rank vectors and the expands live in the grouped GEMMs' tiles, so neither delta nor the unpermuted activation
-goes through memory (``moelab/kernels/moe_gemm.py``, "Fused LoRA"). ``fused=False`` runs the flow above
+goes through memory (``moelab/kernels/moe_gemm.py``, "Fused LoRA"); the kernels read the ids and weights
+unpacked, rounding the base term's weights to bf16 as the packing would. ``fused=False`` runs the flow above
 literally, as the flashinfer backend must (its kernel is closed) and the torch backend does.
 
 The base term uses the bf16 weights packing produces; the W2 LoRA term the caller's weights (as vLLM does).
@@ -35,7 +36,7 @@ from moelab.lora import (
 )
 from moelab.moe import prepare_weights, routed_moe, validate_call
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
-from moelab.packing import pack_topk_ids_weights
+from moelab.packing import check_routing, pack_topk_ids_weights
 
 __all__ = ["LoRAExperts"]
 
@@ -113,20 +114,25 @@ class LoRAExperts(nn.Module):
                 lora_ids: torch.Tensor | None = None, *, has_lora: bool | None = None,
                 validate: bool = True) -> torch.Tensor:
         T, H = hidden_states.shape[0], self.weights.hidden_size
-        packed = pack_topk_ids_weights(topk_ids, topk_weights, num_experts=self.num_experts, validate=validate)
         output = torch.empty(T, H, dtype=hidden_states.dtype, device=hidden_states.device)
-        moe_args = dict(num_experts=self.num_experts, top_k=self.top_k,
-                        local_expert_offset=self.local_expert_offset, validate=validate)
         if self.lora is not None and lora_ids is not None:
             check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, shape=(T,))
             if has_lora is None and lora_ids.device.type == "cpu":
                 has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
-        if self.lora is None or lora_ids is None or has_lora is False:
+        with_lora = self.lora is not None and lora_ids is not None and has_lora is not False
+        # The fused path reads ids and weights as they are (no packing launches); it checks what packing checks.
+        packing = dict(num_experts=self.num_experts, validate=validate)
+        if with_lora and self.fused:
+            check_routing(topk_ids, topk_weights, **packing)
+            lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
+            return self._forward_fused(hidden_states, topk_weights, topk_ids, lora_ids, output, validate)
+        packed = pack_topk_ids_weights(topk_ids, topk_weights, **packing)
+        moe_args = dict(num_experts=self.num_experts, top_k=self.top_k,
+                        local_expert_offset=self.local_expert_offset, validate=validate)
+        if not with_lora:
             routed_moe(packed, hidden_states, self.weights, output=output, **moe_args)
             return output
         lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
-        if self.fused:
-            return self._forward_fused(packed, hidden_states, topk_weights, topk_ids, lora_ids, output, validate)
         lora_args = dict(local_expert_offset=self.local_expert_offset, use_triton=self._use_triton)
         segments = lora_segments(topk_ids, lora_ids, self.lora, local_expert_offset=self.local_expert_offset)
         delta = w13_lora_delta(hidden_states, topk_ids, lora_ids, self.lora, validate=validate, segments=segments,
@@ -140,17 +146,17 @@ class LoRAExperts(nn.Module):
         return finalize_with_w2_lora(output, gemm2, expert_weights, e2p, w2_delta, validate=False,
                                      use_triton=self._use_triton)
 
-    def _forward_fused(self, packed, hidden_states, topk_weights, topk_ids, lora_ids, output, validate):
+    def _forward_fused(self, hidden_states, topk_weights, topk_ids, lora_ids, output, validate):
         from moelab.backends import triton_backend
 
         # The checks routed_moe and the two deltas make on the flow (the fused path calls neither).
-        call = validate_call(packed, hidden_states, self.weights, self.num_experts, self.top_k,
-                             self.local_expert_offset, None, True, output, validate)
-        # (topk_weights: checked against topk_ids by the packing above)
+        weights = topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
+        call = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
+                             self.local_expert_offset, None, True, output, validate=False)  # ids checked above
         check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, validate)
         check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         if hidden_states.shape[0] == 0:
             return output
-        lora = triton_backend.FusedLoRA(self.lora, lora_ids.contiguous(), topk_weights)
-        return triton_backend.lora_experts_fused(packed, call.hidden_states, self.weights, lora, self.num_experts,
-                                                 self.local_expert_offset, output)
+        lora = triton_backend.FusedLoRA(self.lora, lora_ids.contiguous())
+        return triton_backend.lora_experts_fused(topk_ids, weights, call.hidden_states, self.weights, lora,
+                                                 self.num_experts, self.local_expert_offset, output)

@@ -42,6 +42,14 @@ def pack_topk_ids_weights(
         >>> unpack_topk_ids_weights(pack_topk_ids_weights(ids, w))[0].tolist()
         [[3, 1]]
     """
+    check_routing(topk_ids, topk_weights, num_experts=num_experts, validate=validate)
+    return (topk_ids.to(torch.int32) << 16) | bf16_bits(topk_weights)
+
+
+def check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int | None = None,
+                  validate: bool = True) -> None:
+    """The checks of :func:`pack_topk_ids_weights` (same arguments), for callers that read ids and weights
+    unpacked (the triton backend's fused LoRA path)."""
     check_tensor("topk_ids", topk_ids, dtypes=INT_DTYPES, ndim=2)
     check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES + (torch.float64,), ndim=2)
     if topk_ids.shape != topk_weights.shape:
@@ -56,7 +64,6 @@ def pack_topk_ids_weights(
             raise ValueError(f"num_experts: expected 1..{MAX_EXPERTS} (the id field is int16), got {num_experts}")
     if validate:
         check_expert_ids("topk_ids", topk_ids, MAX_EXPERTS + 1 if num_experts is None else num_experts)
-    return (topk_ids.to(torch.int32) << 16) | bf16_bits(topk_weights)
 
 
 def unpack_topk_ids_weights(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

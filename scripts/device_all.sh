@@ -3,7 +3,8 @@
 # tile sweep (its winners rewrite moelab/backends/triton_configs.json there and come back in $OUT), the
 # benchmarks with those configs, then every notebook at full size. Run from the repo root:
 #   run(command="MOELAB_COMMIT=<sha> bash scripts/device_all.sh", carry=[".whl"], timeout_s=560)
-# A step whose *_S budget is 0 is skipped (TEST_S, TUNE_S, BASE_S, LORA_S, PROF_S, NB_S).
+# A step whose *_S budget is 0 is skipped (TEST_S, TUNE_S, BASE_S, LORA_S, PROF_S, NB_S). LORA_VARIANTS picks the
+# LoRA bench's variants (its bank has as many slots as the widest one), LORA_TAG suffixes its output files.
 # .whl/ holds the liger-kernel wheel; .whl/nb/ papermill, ipykernel and what they need beyond the image.
 # They are not committed (.git/info/exclude has /.whl/); fetch them once per machine with:
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64"
@@ -29,7 +30,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
   --time-budget $(( ${BASE_S:-120} - 15 )) --out "$OUT/bench_base.json" > "$OUT/bench_base.log" 2>&1
 grep -A9 "median µs" "$OUT/bench_base.log" | head -10
 [ "${LORA_S:-90}" -gt 0 ] && timeout ${LORA_S:-90} python3 -m moelab.bench --shape qwen3-30b-a3b --tokens 1,32,16384 --lora --ops --quick \
-  --lora-variants "1x all,4x all" --time-budget $(( ${LORA_S:-90} - 15 )) --out "$OUT/bench_lora.json" \
-  > "$OUT/bench_lora.log" 2>&1
-grep -B2 -A12 "time / base\|/ base" "$OUT/bench_lora.log" | head -30; grep -A8 "^\*\*ops" "$OUT/bench_lora.log"
+  --lora-variants "${LORA_VARIANTS:-1x all,4x all}" --time-budget $(( ${LORA_S:-90} - 15 )) \
+  --out "$OUT/bench_lora${LORA_TAG:-}.json" > "$OUT/bench_lora${LORA_TAG:-}.log" 2>&1
+grep -B2 -A12 "time / base\|/ base" "$OUT/bench_lora${LORA_TAG:-}.log" | head -30
+grep -A8 "^\*\*ops" "$OUT/bench_lora${LORA_TAG:-}.log"
 [ "${NB_S:-130}" -gt 0 ] && timeout ${NB_S:-130} python3 -m moelab.lab --full --out /tmp/lab 2>&1 | tail -12 | tee "$OUT/lab.log"

@@ -159,7 +159,7 @@ def test_fused_lora_many_adapters_per_tile(max_rank, ranks, device):
     assert torch.equal(out[lora_ids < 0], base[lora_ids < 0])
 
 
-@pytest.mark.parametrize("L, max_rank", [(1, 4), (16, 16)])  # R_PAD padded past max_rank; the widest fused bank
+@pytest.mark.parametrize("L, max_rank", [(1, 4), (4, 16)])  # R_PAD padded past max_rank; the widest fused bank
 def test_fused_lora_bank_widths(L, max_rank, device):
     T, K, E, H, I, dtype = 20, 2, 4, 32, 16, torch.bfloat16
     ranks = tuple(max_rank - (slot % 3) for slot in range(L))

@@ -10,6 +10,7 @@ so a tile never mixes experts. With a fused LoRA bank (``LoRAExperts``): segment
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,19 +52,30 @@ CONFIG_BUCKETS = [(b["max_rows_per_expert"], GemmConfig(*b["config"]))
                   for b in json.loads(_CONFIG_FILE.read_text())["buckets"]]
 #: Shared memory a config may pipeline through (H200: 228 KB per SM; leave room for the epilogue).
 _SMEM_BUDGET = 200 * 1024
+#: ... and with the fused LoRA's expand operands beside the pipeline (the H200 refuses kernels past 227 KB).
+_SMEM_BUDGET_LORA = 216 * 1024
 
 
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
-                  dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
+                  dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0) -> GemmConfig:
     """Tile sizes by rows per local expert, from ``triton_configs.json``. Decode is weight-bandwidth bound
     (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for tensor-core reuse).
-    fp32 operands take twice the shared memory per stage, so the pipeline depth shrinks to fit."""
+    fp32 operands take twice the shared memory per stage, so the pipeline depth shrinks to fit.
+
+    ``lora_columns``: the fused LoRA's stacked width. On Hopper, tiles of BLOCK_M >= 64 (wgmma) keep GEMM1's
+    expand operands, [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T, in shared memory beside the
+    pipeline's stages (measured: 196608 B + 16384 B for 16 columns at 128x128x64, 4 stages), so the pipeline
+    gives up stages for them; the BLOCK_M = 16 decode tiles showed no such growth."""
     if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
         return GemmConfig(16, 32, 32, 4, 1)
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in CONFIG_BUCKETS if rows_per_expert <= limit)
-    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * torch.finfo(dtype).bits // 8
+    itemsize = torch.finfo(dtype).bits // 8
+    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
     stages = max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+    if lora_columns and cfg.block_m >= 64:
+        expand_operands = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize
+        stages = max(1, min(stages, (_SMEM_BUDGET_LORA - expand_operands) // per_stage))
     return GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
 
 
@@ -76,13 +88,11 @@ def _dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 class FusedLoRA:
     """A LoRABank folded into the GEMM tiles (``moelab/kernels/moe_gemm.py``, "Fused LoRA").
 
-    ``bank``: a :class:`moelab.LoRABank` over the local experts; ``lora_ids`` int [T] (-1 = none);
-    ``topk_weights`` float [T, K], the caller's routing weights (the W2 LoRA term is weighted by them).
+    ``bank``: a :class:`moelab.LoRABank` over the local experts; ``lora_ids`` int [T] contiguous (-1 = none).
     """
 
     bank: LoRABank
     lora_ids: torch.Tensor
-    topk_weights: torch.Tensor
 
 
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
@@ -99,14 +109,17 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     """Segments -> [LoRA shrink] -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
 
     ``routing``: int32 [T, K] packed words when ``expert_weights`` is None (the kernels decode them), else
-    the int32 ids beside the caller's ``expert_weights``. ``lora`` (packed routing only): fold a LoRA bank
-    into the GEMMs; gemm2 then holds base + LoRA terms and is only meant for the finalize.
+    the int ids beside the caller's ``expert_weights`` [T, K] (contiguous). ``lora`` (ids and weights only):
+    fold a LoRA bank into the GEMMs, the finalize weighting the base term by bf16(w), as a packing would have
+    rounded it, and the LoRA term by w; gemm2 then holds base + LoRA terms and is only meant for the finalize.
     """
     packed = expert_weights is None
+    if lora is not None and packed:
+        raise ValueError("lora: the fused LoRA path takes (ids, expert_weights) routing, not packed words")
     T, K = routing.shape
     E_local, two_i, H = w13.shape
     I = two_i // 2
-    cfg = config or choose_config(T, K, E_local, x.dtype)
+    cfg = config or choose_config(T, K, E_local, x.dtype, math.prod(lora.bank.stacked_pads) if lora else 0)
     seg = build_segments_triton(routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed)
     R1 = permuted_rows(T, K, num_experts, cfg.block_m, I)
     R2 = permuted_rows(T, K, num_experts, cfg.block_m, H)
@@ -131,7 +144,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
         s13 = torch.empty(reach, 2, l_pad * r_pad, dtype=x.dtype, device=x.device)  # stacked [up | gate]
         s2 = torch.empty(reach, l_pad * r_pad, dtype=x.dtype, device=x.device)
-        shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, lora.topk_weights.contiguous(), routing)
+        shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
                             BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, l_pad * r_pad, x.element_size()),
                             num_warps=8 if cfg.block_m * l_pad * r_pad > 128 * 64 else 4)
@@ -168,7 +181,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
         finalize_triton(output, gemm2, routing if packed else expert_weights, seg.slot_to_row, None,
-                        packed_weights=packed)
+                        packed_weights=packed, round_weights=lora is not None)
     else:
         output = x.new_empty(T, 0)  # FlashInfer's placeholder when nothing is finalized
     return output, gemm2, seg.slot_to_row, act
@@ -213,11 +226,14 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
 
 
-def lora_experts_fused(packed: torch.Tensor, hidden_states: torch.Tensor, weights: MoEWeights, lora: FusedLoRA,
-                       num_experts: int, local_expert_offset: int, output: torch.Tensor) -> torch.Tensor:
+def lora_experts_fused(topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden_states: torch.Tensor,
+                       weights: MoEWeights, lora: FusedLoRA, num_experts: int, local_expert_offset: int,
+                       output: torch.Tensor) -> torch.Tensor:
     """:class:`moelab.LoRAExperts` on this backend: the base pipeline with the bank folded into its GEMMs
-    (two extra launches, the W13 and W2 shrinks; no [T,K,2I] or [T,K,H] delta in memory). Inputs already validated;
-    ``packed`` int32 [T, K] routing words; ``output`` [T, H] written and returned."""
-    _pipeline(packed, None, hidden_states, weights.gemm1_weights, weights.gemm2_weights, num_experts,
-              local_expert_offset, None, True, output=output, lora=lora)
+    (two extra launches, the W13 and W2 shrinks; no [T,K,2I] or [T,K,H] delta in memory). It reads the ids and the
+    caller's weights directly (no packing launches) and weights the base term by bf16(w), as the packed base path
+    does, so a token without an adapter is bit for bit the base path's. Inputs already validated: ``topk_ids``
+    int [T, K], ``topk_weights`` float [T, K]; ``output`` [T, H] written and returned."""
+    _pipeline(topk_ids.contiguous(), topk_weights.contiguous(), hidden_states, weights.gemm1_weights,
+              weights.gemm2_weights, num_experts, local_expert_offset, None, True, output=output, lora=lora)
     return output

@@ -19,29 +19,34 @@ from moelab.kernels._common import to_output
 @triton.jit
 def _finalize_kernel(
     out_ptr, gemm2_ptr, weights_ptr, e2p_ptr, delta_ptr, scale,
-    num_rows, H, top_k, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,
-    HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, PACKED_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
+    num_rows, H, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,
+    TOP_K: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, PACKED_WEIGHTS: tl.constexpr,
+    ROUND_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in range(0, top_k):
-        row = tl.load(e2p_ptr + t * top_k + k)
-        if (row >= 0) & (row < num_rows):  # non-local slots contribute nothing (their rows are never read)
-            if PACKED_WEIGHTS:  # the low half of the routing word is the bf16 weight: widen it exactly
-                word = tl.load(weights_ptr + t * stride_w_t + k)
-                w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            else:
-                w = tl.load(weights_ptr + t * stride_w_t + k).to(tl.float32)
-            y = tl.load(gemm2_ptr + row.to(tl.int64) * stride_gemm2_r + cols, mask=col_ok, other=0.0)
-            acc += w * y.to(tl.float32)
+    # Unrolled over k without branches, so all K row gathers are in flight at once (decode is latency bound).
+    for k in tl.static_range(TOP_K):
+        row = tl.load(e2p_ptr + t * TOP_K + k)
+        live = (row >= 0) & (row < num_rows)  # non-local slots contribute nothing (their rows are never read)
+        if PACKED_WEIGHTS:  # the low half of the routing word is the bf16 weight: widen it exactly
+            word = tl.load(weights_ptr + t * stride_w_t + k)
+            w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            w = tl.load(weights_ptr + t * stride_w_t + k).to(tl.float32)
+            if ROUND_WEIGHTS:  # the weight packing would have carried: bf16, nearest even
+                w = to_output(w, tl.bfloat16).to(tl.float32)
+        y_ptrs = gemm2_ptr + tl.where(live, row, 0).to(tl.int64) * stride_gemm2_r + cols
+        y = tl.load(y_ptrs, mask=tl.where(live, col_ok, False), other=0.0)  # (scalar & vector breaks the interpreter)
+        acc = tl.where(live, acc + w * y.to(tl.float32), acc)
     if HAS_SCALE:
         acc = acc * scale
     if HAS_DELTA:
         lora = tl.zeros((BLOCK_H,), dtype=tl.float32)
         d_ptrs = delta_ptr + t.to(tl.int64) * stride_d_t + cols
-        for k in range(0, top_k):
+        for k in tl.static_range(TOP_K):
             lora += tl.load(d_ptrs + k * stride_d_k, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + lora
     tl.store(out_ptr + t.to(tl.int64) * stride_out_t + cols, to_output(acc, out_ptr.dtype.element_ty), mask=col_ok)
@@ -49,10 +54,11 @@ def _finalize_kernel(
 
 def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
                     e2p: torch.Tensor, w2_delta: torch.Tensor | None, scale: float = 1.0, *,
-                    packed_weights: bool = False) -> torch.Tensor:
+                    packed_weights: bool = False, round_weights: bool = False) -> torch.Tensor:
     """Launch :func:`_finalize_kernel` (inputs already validated by ``moelab.ops.finalize_with_w2_lora``).
 
-    ``packed_weights``: ``expert_weights`` holds int32 routing words whose low halves are the bf16 weights."""
+    ``packed_weights``: ``expert_weights`` holds int32 routing words whose low halves are the bf16 weights.
+    ``round_weights``: round float ``expert_weights`` to bf16 first (the weights the packing would carry)."""
     T, H = output.shape
     K = expert_weights.shape[1]
     if T == 0:
@@ -62,11 +68,9 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
     delta = w2_delta if w2_delta is not None else output  # placeholder pointer, never read
     _finalize_kernel[(T, triton.cdiv(H, block_h))](
         output, gemm2_output, expert_weights, e2p, delta, float(scale),
-        gemm2_output.shape[0], H, K, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
+        gemm2_output.shape[0], H, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
         delta.stride(0) if w2_delta is not None else 0, delta.stride(1) if w2_delta is not None else 0,
-        HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights, BLOCK_H=block_h,
-        num_warps=4 if block_h >= 512 else 1,
+        TOP_K=K, HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights,
+        ROUND_WEIGHTS=round_weights, BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1,
     )
     return output
-
-
