@@ -105,17 +105,19 @@ def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
-              config: GemmConfig | None = None, lora: FusedLoRA | None = None) -> tuple[torch.Tensor, ...]:
+              config: GemmConfig | None = None, lora: FusedLoRA | None = None,
+              round_weights: bool = False) -> tuple[torch.Tensor, ...]:
     """Segments -> [LoRA shrink] -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
 
     ``routing``: int32 [T, K] packed words when ``expert_weights`` is None (the kernels decode them), else
-    the int ids beside the caller's ``expert_weights`` [T, K] (contiguous). ``lora`` (ids and weights only):
-    fold a LoRA bank into the GEMMs, the finalize weighting the base term by bf16(w), as a packing would have
-    rounded it, and the LoRA term by w; gemm2 then holds base + LoRA terms and is only meant for the finalize.
+    the int ids beside the caller's ``expert_weights`` [T, K] (contiguous). ``round_weights``: the finalize
+    weights the base term by bf16(w), as a packing would have rounded it. ``lora`` (ids and weights only, with
+    ``round_weights``): fold a LoRA bank into the GEMMs, its term weighted by w; gemm2 then holds base + LoRA
+    terms and is only meant for the finalize.
     """
     packed = expert_weights is None
-    if lora is not None and packed:
-        raise ValueError("lora: the fused LoRA path takes (ids, expert_weights) routing, not packed words")
+    if lora is not None and (packed or not round_weights):
+        raise ValueError("lora: the fused LoRA path takes (ids, expert_weights) routing and round_weights=True")
     T, K = routing.shape
     E_local, two_i, H = w13.shape
     I = two_i // 2
@@ -181,7 +183,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
         finalize_triton(output, gemm2, routing if packed else expert_weights, seg.slot_to_row, None,
-                        packed_weights=packed, round_weights=lora is not None)
+                        packed_weights=packed, round_weights=round_weights)
     else:
         output = x.new_empty(T, 0)  # FlashInfer's placeholder when nothing is finalized
     return output, gemm2, seg.slot_to_row, act
@@ -226,14 +228,15 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
 
 
-def lora_experts_fused(topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden_states: torch.Tensor,
-                       weights: MoEWeights, lora: FusedLoRA, num_experts: int, local_expert_offset: int,
-                       output: torch.Tensor) -> torch.Tensor:
-    """:class:`moelab.LoRAExperts` on this backend: the base pipeline with the bank folded into its GEMMs
-    (two extra launches, the W13 and W2 shrinks; no [T,K,2I] or [T,K,H] delta in memory). It reads the ids and the
-    caller's weights directly (no packing launches) and weights the base term by bf16(w), as the packed base path
-    does, so a token without an adapter is bit for bit the base path's. Inputs already validated: ``topk_ids``
-    int [T, K], ``topk_weights`` float [T, K]; ``output`` [T, H] written and returned."""
+def lora_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden_states: torch.Tensor,
+                 weights: MoEWeights, lora: FusedLoRA | None, num_experts: int, local_expert_offset: int,
+                 output: torch.Tensor) -> torch.Tensor:
+    """:class:`moelab.LoRAExperts` on this backend: the base pipeline, with the bank folded into its GEMMs when
+    ``lora`` is given (two extra launches, the W13 and W2 shrinks; no [T,K,2I] or [T,K,H] delta in memory). It reads
+    the ids and the caller's weights directly (no packing launches) and weights the base term by bf16(w), as the
+    packed routed MoE does, so every token without an adapter is bit for bit the packed base path's. Inputs already
+    validated: ``topk_ids`` int [T, K], ``topk_weights`` float [T, K]; ``output`` [T, H] written and returned."""
     _pipeline(topk_ids.contiguous(), topk_weights.contiguous(), hidden_states, weights.gemm1_weights,
-              weights.gemm2_weights, num_experts, local_expert_offset, None, True, output=output, lora=lora)
+              weights.gemm2_weights, num_experts, local_expert_offset, None, True, output=output, lora=lora,
+              round_weights=True)
     return output
