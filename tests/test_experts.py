@@ -12,14 +12,23 @@ from helpers import REL_TOL, assert_close_to_reference, random_experts, random_t
 import moelab
 from moelab import reference
 
-#: "backend" or "backend/flow" (the unfused vLLM flow on a backend that fuses by default).
-BACKENDS = ["torch", "triton", "triton/flow"]
+#: "backend", "backend/flow" (the unfused vLLM flow on a backend that fuses by default) or "triton/tiles" (the
+#: fused path with its per-tile shrink kernels, which prefill takes; small batches take the one-launch decode path).
+BACKENDS = ["torch", "triton", "triton/tiles", "triton/flow"]
+
+
+@pytest.fixture(autouse=True)
+def _fused_path(request, monkeypatch):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "triton/tiles":
+        from moelab.backends import triton_backend
+        monkeypatch.setattr(triton_backend, "FUSED_DECODE_MAX_SLOTS", 0)
 
 
 def make_experts(w13, w2, variant, **kwargs):
-    backend, _, flow = variant.partition("/")
-    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=False if flow else None, **kwargs)
-    assert experts.fused == (variant == "triton" and kwargs.get("lora") is not None)
+    backend, _, mode = variant.partition("/")
+    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=False if mode == "flow" else None, **kwargs)
+    assert experts.fused == (backend == "triton" and mode != "flow" and kwargs.get("lora") is not None)
     return experts
 
 

@@ -19,8 +19,13 @@ import triton
 
 from moelab import _runtime
 from moelab.kernels.finalize import finalize_triton
-from moelab.kernels.moe_gemm import _gemm1_swiglu_kernel, _gemm2_kernel, _lora_shrink_kernel
-from moelab.kernels.segments import build_segments_triton
+from moelab.kernels.moe_gemm import (
+    _decode_segments_w13_shrink_kernel,
+    _gemm1_swiglu_kernel,
+    _gemm2_kernel,
+    _lora_shrink_kernel,
+)
+from moelab.kernels.segments import build_segments_triton, plan_one_chunk
 from moelab.lora import LoRABank
 from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 
@@ -95,6 +100,13 @@ class FusedLoRA:
     lora_ids: torch.Tensor
 
 
+#: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM1's epilogue,
+#: no separate shrink launch) runs up to this many slots (one program builds their segments) on BLOCK_M < 64 tiles.
+FUSED_DECODE_MAX_SLOTS = 1024
+#: ... while GEMM2 can hold GEMM1's partials of a tile in registers: pow2(column blocks) * BLOCK_M * stacked columns.
+_DECODE_PARTIALS = 8192
+
+
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
     """BLOCK_K of the LoRA shrink kernels: 256 for decode tiles, 64 for prefill tiles (H200), smaller when a
     pipeline stage (x tile + two stacked A tiles, ``BK * (BLOCK_M + 2 * columns)`` elements) would pass 64 KB."""
@@ -121,8 +133,17 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     T, K = routing.shape
     E_local, two_i, H = w13.shape
     I = two_i // 2
-    cfg = config or choose_config(T, K, E_local, x.dtype, math.prod(lora.bank.stacked_pads) if lora else 0)
-    seg = build_segments_triton(routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed)
+    lora_cols = math.prod(lora.bank.stacked_pads) if lora else 0
+    cfg = config or choose_config(T, K, E_local, x.dtype, lora_cols)
+    num_n1 = triton.cdiv(I, cfg.block_n)
+    decode = None  # the fused LoRA's decode plan: one launch for the segments and the W13 shrink
+    if (lora is not None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS
+            and triton.next_power_of_2(num_n1) * cfg.block_m * lora_cols <= _DECODE_PARTIALS):
+        decode = plan_one_chunk(routing, E_local, cfg.block_m, local_expert_offset, packed=False)
+    if decode is not None:
+        seg = decode.segments
+    else:
+        seg = build_segments_triton(routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed)
     R1 = permuted_rows(T, K, num_experts, cfg.block_m, I)
     R2 = permuted_rows(T, K, num_experts, cfg.block_m, H)
     act = torch.empty(R1, I, dtype=x.dtype, device=x.device)
@@ -136,10 +157,24 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     for buf in (act, gemm2):
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
-    num_n1 = triton.cdiv(I, cfg.block_n)
-    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3, (x,) * 3 + (0,) * 3  # placeholders, never read without LoRA
-    lora_flags = {}
-    if lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
+    # placeholders, never read without LoRA
+    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,) * 3, (x,) * 3 + (0,) * 3 + (x,) * 3 + (0,) * 2
+    lora_flags1 = lora_flags2 = {}
+    if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 writes the W2 shrink's partials
+        bank = lora.bank
+        l_pad, r_pad = bank.stacked_pads
+        bank_args = (E_local, bank.max_loras, bank.max_rank)
+        s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
+        s2_parts = torch.empty(num_n1, reach, lora_cols, dtype=torch.float32, device=x.device)
+        cols = min(8, 2 * r_pad)
+        _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
+            *decode.args, x, bank.up_a, bank.gate_a, s13, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
+            x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=512, num_warps=decode.num_warps)
+        lora_g1 = (s13, x, bank.up_b, bank.gate_b, *bank_args, lora.lora_ids, bank.down_a, s2_parts)
+        lora_g2 = (s2_parts, x, bank.down_b, *bank_args, seg.row_to_slot, lora.lora_ids, expert_weights, K, num_n1)
+        lora_flags1 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
+        lora_flags2 = dict(lora_flags1, N_PAD=triton.next_power_of_2(num_n1))
+    elif lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
         bank = lora.bank
         l_pad, r_pad = bank.stacked_pads
         bank_args = (E_local, bank.max_loras, bank.max_rank)
@@ -154,9 +189,9 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
             _lora_shrink_kernel[(live_blocks,)](
                 x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
                 GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True, **shrink_flags)
-        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args)
-        lora_g2 = (s2, tile_flags, bank.down_b, *bank_args)
-        lora_flags = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
+        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args, x, x, x)
+        lora_g2 = (s2, tile_flags, bank.down_b, *bank_args, x, x, x, 0, 0)
+        lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
     _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
@@ -164,9 +199,9 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         *lora_g1,
         HAS_DELTA=delta is not None, DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags1,
     )
-    if lora is not None and live_blocks:
+    if lora is not None and decode is None and live_blocks:
         _lora_shrink_kernel[(live_blocks,)](
             act, bank.down_a, bank.down_a, s2, tile_flags, *shrink_args, I, K, *bank_args, act.stride(0),
             GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False, **shrink_flags)
@@ -177,7 +212,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         *lora_g2,
         DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags2,
     )
     if do_finalize:
         if output is None:

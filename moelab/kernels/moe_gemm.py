@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from moelab.kernels._common import shrink_step, to_output
+from moelab.kernels.segments import one_chunk_segments
 
 
 @triton.jit
@@ -119,6 +120,47 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
+def _decode_segments_w13_shrink_kernel(
+    values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
+    num_slots, offset, num_groups, num_rows, num_blocks,
+    x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
+    L_PAD: tl.constexpr, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode (one chunk of slots): program 0 builds the segments (:func:`one_chunk_segments`, ids unpacked), every
+    other program shrinks one slot for COLS of its adapter's 2*R_PAD [up | gate] rank columns, in the same launch.
+
+    s13 [slots, 2, L_PAD*R_PAD] (input dtype, fp32 accumulation) is written by *slot* and only in the block of the
+    slot's adapter (GEMM1 reads nothing else); slots without an adapter or a local expert write nothing.
+    """
+    pid = tl.program_id(0)
+    if pid == 0:
+        one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots,
+                           offset, num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
+    else:
+        slot = (pid - 1) // (2 * R_PAD // COLS)
+        c = (pid - 1) % (2 * R_PAD // COLS) * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
+        expert = tl.load(values_ptr + slot).to(tl.int32) - offset
+        token = (slot // top_k).to(tl.int64)
+        adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
+        if (expert >= 0) & (expert < num_groups) & (adapter >= 0) & (adapter < num_loras):
+            is_gate, rank = c // R_PAD, c % R_PAD
+            a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
+            ok = rank < max_rank
+            acc = tl.zeros((COLS,), dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < H
+                xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+                offs = a_rows[:, None] + k[None, :]
+                a = tl.load(up_a_ptr + offs, mask=(ok & (is_gate == 0))[:, None] & k_ok[None, :], other=0.0)
+                a += tl.load(gate_a_ptr + offs, mask=(ok & (is_gate == 1))[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+            out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD + rank
+            tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _stacked_b(b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, max_rank, tile_has_lora,
                L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """The stacked B^T tile [L_PAD*R_PAD, BLOCK_N] of this expert (zeros where ``tile_has_lora`` is False, read
@@ -154,11 +196,13 @@ def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
-    # fused LoRA (LORA): stacked W13 rank vectors [R, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate
+    # fused LoRA (LORA): stacked W13 rank vectors [R, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate;
+    # LORA_DECODE: s13 by slot, the adapter ids, the bank's A_down and the W2 shrink partials [num_n, R, L_PAD*R_PAD]
     s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
+    lora_ids_ptr, down_a_ptr, s2p_ptr,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
+    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
@@ -184,10 +228,22 @@ def _gemm1_swiglu_kernel(
     gate_ptrs = w_base + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + I * stride_w_n
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
-        has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+        if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
+            adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
+            has_lora = tl.max(adapters, axis=0) >= 0
+            j = tl.arange(0, L_PAD * R_PAD)
+            own = tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
+            s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
+            s_up = tl.load(s_ptrs, mask=own, other=0.0)
+            s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
+            a_cols, a_ok, _ = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
+            a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
+            a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
+        else:
+            has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+            s_up = _stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            s_gate = _stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
         bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
-        s_up = _stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-        s_gate = _stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
         b_up = _stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
         b_gate = _stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -219,8 +275,13 @@ def _gemm1_swiglu_kernel(
             acc_up = _lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
             acc_gate = _lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    act = tl.where(row_ok[:, None], act, DEAD_FILL)
-    tl.store(out_ptrs, to_output(act, act_ptr.dtype.element_ty), mask=out_mask)
+    act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
+    tl.store(out_ptrs, act, mask=out_mask)
+    if LORA_DECODE:
+        if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
+            part = _lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
+            p_ptrs = s2p_ptr + pid_n * num_rows * (L_PAD * R_PAD) + rows.to(tl.int64)[:, None] * (L_PAD * R_PAD)
+            tl.store(p_ptrs + j[None, :], part, mask=(rows < num_rows)[:, None])
 
 
 @triton.jit
@@ -228,11 +289,14 @@ def _gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
-    # fused LoRA (LORA): stacked W2 rank vectors [R, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down
+    # fused LoRA (LORA): stacked W2 rank vectors [R, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down;
+    # LORA_DECODE: s2 is GEMM1's num_n partials [num_n, R, L_PAD*R_PAD] (fp32, unweighted), weighted here
     s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
+    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k, num_n,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16,
+    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
+    N_PAD: tl.constexpr = 1,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
@@ -253,8 +317,22 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
-        has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-        s_down = _stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+        if LORA_DECODE:  # GEMM1's partials of each row's own adapter block, summed after the K loop
+            slots = tl.load(row_to_slot_ptr + rows)
+            row_ok = slots >= 0
+            slots = tl.where(row_ok, slots, 0).to(tl.int64)
+            adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
+            has_lora = tl.max(adapters, axis=0) >= 0
+            j = tl.arange(0, L_PAD * R_PAD)
+            own = tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
+            n = tl.arange(0, N_PAD)
+            p_ptrs = (s2_ptr + n[:, None, None] * num_rows * (L_PAD * R_PAD)
+                      + rows.to(tl.int64)[None, :, None] * (L_PAD * R_PAD) + j[None, None, :])
+            parts = tl.load(p_ptrs, mask=(n < num_n)[:, None, None] & own[None, :, :], other=0.0)
+            ratio = _caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+        else:
+            has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+            s_down = _stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
         b_down = _stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
                             L_PAD, R_PAD)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -272,6 +350,8 @@ def _gemm2_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LORA:
+        if LORA_DECODE:  # the W2 rank vectors: partials summed, weighted, rounded to the input dtype
+            s_down = to_output(tl.sum(parts, axis=0) * ratio[:, None], act_ptr.dtype.element_ty)
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
             acc = _lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)

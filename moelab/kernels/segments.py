@@ -21,6 +21,8 @@ Rows inside a group follow the slot (= token) order: deterministic, no atomics, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -115,6 +117,16 @@ def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_
                                num_slots, offset, num_groups, num_rows, num_blocks,
                                TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
                                CB: tl.constexpr):
+    one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset,
+                       num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
+
+
+@triton.jit
+def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
+                       num_slots, offset, num_groups, num_rows, num_blocks,
+                       TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
+                       CB: tl.constexpr):
+    """All of the segments of up to CHUNK slots in one program (see :func:`plan_one_chunk` for the arguments)."""
     lane = tl.arange(0, CHUNK)
     bins = tl.arange(0, G_BINS)
     g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED)
@@ -136,6 +148,39 @@ def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_
     tl.store(row_to_slot_ptr + row, slot, mask=in_group)
 
 
+@dataclass
+class OneChunkPlan:
+    """Buffers and launch arguments of the one-program segments (:func:`one_chunk_segments`), for a launch that runs
+    it as one of its programs (the fused LoRA decode kernel); ``args`` go first, ``meta`` are the constexprs."""
+
+    segments: Segments
+    args: tuple
+    meta: dict
+    num_warps: int
+
+
+def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
+                   packed: bool = False) -> OneChunkPlan | None:
+    """Allocate the segments of ``values`` (as :func:`build_segments_triton` takes them) for one program, or None
+    when they need more (over 1024 slots, over ``MAX_GROUPS`` groups, or no slot at all)."""
+    values = values.flatten()
+    n = values.numel()
+    if n == 0 or n > 1024 or num_groups > MAX_GROUPS:
+        return None
+    rows = max_live_rows(n, num_groups, tile)
+    g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
+    chunk = triton.next_power_of_2(n)
+    # One allocation for every output and the scratch (each allocation is host time at decode sizes).
+    buf = torch.empty(n + rows + rows // tile + g_bins, dtype=torch.int32, device=values.device)
+    slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, g_bins])
+    return OneChunkPlan(
+        Segments(slot_to_row, row_to_slot, block_group, tile, num_groups),
+        (values, scratch, slot_to_row, row_to_slot, block_group, n, offset, num_groups, rows, rows // tile),
+        dict(TILE=tile, CHUNK=chunk, G_BINS=g_bins, PACKED=packed, CB=max(1, 4096 // g_bins)),
+        # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4
+        4 if chunk > 256 else 2)
+
+
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
                           packed: bool = False) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in three Triton launches.
@@ -151,22 +196,19 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     if n == 0 or num_groups > MAX_GROUPS:
         ids = (values >> 16) if packed else values
         return build_segments(ids.long() - offset, num_groups, tile)
+    plan = plan_one_chunk(values, num_groups, tile, offset, packed=packed)
+    if plan is not None:
+        _segments_one_chunk_kernel[(1,)](*plan.args, **plan.meta, num_warps=plan.num_warps)
+        return plan.segments
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
     g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
-    chunk = min(1024, triton.next_power_of_2(n))
+    chunk, warps = 1024, 4
     num_chunks = triton.cdiv(n, chunk)
-    warps = 4 if chunk > 256 else 2  # one-chunk kernel on the H200: 256 slots 7.0 µs at 2 warps, 7.8 at 4
     cb = max(1, 4096 // g_bins)
-    # One allocation for every output and the scratch (each allocation is host time at decode sizes).
-    scratch_size = g_bins if num_chunks == 1 else 3 * num_chunks * g_bins + g_bins
+    scratch_size = 3 * num_chunks * g_bins + g_bins
     buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
     slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, scratch_size])
-    if num_chunks == 1:
-        _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
-                                         num_groups, rows, rows // tile, TILE=tile, CHUNK=chunk, G_BINS=g_bins,
-                                         PACKED=packed, CB=cb, num_warps=warps)
-        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     row_to_slot.fill_(-1)  # padding rows stay -1
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split([num_chunks * g_bins] * 3 + [g_bins])
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups,
