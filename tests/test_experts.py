@@ -183,6 +183,21 @@ def test_fused_lora_bank_widths(L, max_rank, device):
     assert torch.equal(out[lora_ids < 0], base[lora_ids < 0])
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton/tiles"])
+@pytest.mark.parametrize("T, K, H, I", [(1, 8, 32, 96), (9, 4, 48, 160)])
+def test_fused_lora_when_i_spans_more_column_blocks_than_h(T, K, H, I, backend, device):
+    """The decode path's W2 shrink is summed from one partial per GEMM1 column block (I / BLOCK_N of them): a count
+    that differs from GEMM2's column blocks (H / BLOCK_N), every EP-free decode shape of a real model."""
+    E, dtype = 8, torch.float32
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=2, ranks=(16, 5), seed=7)
+    bank = make_bank(adapters, E, 0, H, I, 16, dtype, device)
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
+    out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], dtype, "output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "LoRA part")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_lora_ids_and_unvalidated_ids_outside_the_bank(backend, device):
     """A column view of a wider id tensor is read by its strides; with validate=False an id past the bank is

@@ -197,7 +197,7 @@ def _gemm1_swiglu_kernel(
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
     # fused LoRA (LORA): stacked W13 rank vectors [R, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate;
-    # LORA_DECODE: s13 by slot, the adapter ids, the bank's A_down and the W2 shrink partials [num_n, R, L_PAD*R_PAD]
+    # LORA_DECODE: s13 by slot, the adapter ids, the bank's A_down, the W2 shrink's partials [num_n, R, L_PAD*R_PAD]
     s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
     lora_ids_ptr, down_a_ptr, s2p_ptr,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
@@ -290,9 +290,9 @@ def _gemm2_kernel(
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
     # fused LoRA (LORA): stacked W2 rank vectors [R, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down;
-    # LORA_DECODE: s2 is GEMM1's num_n partials [num_n, R, L_PAD*R_PAD] (fp32, unweighted), weighted here
+    # LORA_DECODE: s2 holds GEMM1's partials [num_parts, R, L_PAD*R_PAD] (fp32, unweighted), weighted here
     s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
-    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k, num_n,
+    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k, num_parts,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
@@ -328,7 +328,7 @@ def _gemm2_kernel(
             n = tl.arange(0, N_PAD)
             p_ptrs = (s2_ptr + n[:, None, None] * num_rows * (L_PAD * R_PAD)
                       + rows.to(tl.int64)[None, :, None] * (L_PAD * R_PAD) + j[None, None, :])
-            parts = tl.load(p_ptrs, mask=(n < num_n)[:, None, None] & own[None, :, :], other=0.0)
+            parts = tl.load(p_ptrs, mask=(n < num_parts)[:, None, None] & own[None, :, :], other=0.0)
             ratio = _caller_weight_ratio(weights_ptr, slots, adapters >= 0)
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
