@@ -4,9 +4,10 @@
     W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
     -> unpermute act to [T*K, I] (non-local rows zero) -> W2 delta [T,K,H], weighted -> one fused finalize
 
-On the triton backend the same sums run *fused* by default (``fused=True``): two small shrink kernels write
-rank vectors and the expands live in the grouped GEMMs' tiles, so neither delta nor the unpermuted activation
-goes through memory (``moelab/kernels/moe_gemm.py``, "Fused LoRA"). On that backend the kernels read the ids
+On the triton backend the same sums run *fused* by default (``fused=True``): small shrink kernels write rank
+vectors (at decode inside the routing-metadata launch and GEMM1's epilogue) and the expands live in the grouped
+GEMMs' tiles, so neither delta nor the unpermuted activation goes through memory (``moelab/kernels/moe_gemm.py``,
+"Fused LoRA"). On that backend the kernels read the ids
 and weights unpacked (the base path too), rounding the base term's weights to bf16 as the packing would.
 ``fused=False`` runs the flow above literally, as the flashinfer backend must (its kernel is closed) and the torch
 backend does.

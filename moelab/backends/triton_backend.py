@@ -4,7 +4,8 @@ interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), n
 Pipeline (launches): segments by local expert (one Triton program up to 1024 slots, else three) ->
 GEMM1 + LoRA delta + SwiGLU -> GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M,
 so a tile never mixes experts. With a fused LoRA bank (``LoRAExperts``): segments -> W13 shrink -> GEMM1 (+expand)
--> W2 shrink -> GEMM2 (+expand) -> finalize.
+-> W2 shrink -> GEMM2 (+expand) -> finalize; at decode segments + W13 shrink -> GEMM1 (+expand, + W2 shrink
+partials) -> GEMM2 (+expand) -> finalize, the base layer's four launches.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ def lora_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden_stat
                  weights: MoEWeights, lora: FusedLoRA | None, num_experts: int, local_expert_offset: int,
                  output: torch.Tensor) -> torch.Tensor:
     """:class:`moelab.LoRAExperts` on this backend: the base pipeline, with the bank folded into its GEMMs when
-    ``lora`` is given (two extra launches, the W13 and W2 shrinks; no [T,K,2I] or [T,K,H] delta in memory). It reads
+    ``lora`` is given (the W13 and W2 shrinks, extra launches but at decode; no [T,K,2I] or [T,K,H] delta). It reads
     the ids and the caller's weights directly (no packing launches) and weights the base term by bf16(w), as the
     packed routed MoE does, so every token without an adapter is bit for bit the packed base path's. Inputs already
     validated: ``topk_ids`` int [T, K], ``topk_weights`` float [T, K]; ``output`` [T, H] written and returned."""

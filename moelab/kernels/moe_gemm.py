@@ -30,6 +30,16 @@ are accumulated in fp32 and rounded to the input dtype, like vLLM's. The W13 shr
 adapter (``tile_flags``); the other tiles skip every LoRA step, and a row without an adapter adds exact zeros, so
 its output is bit for bit the base path's as long as the bank is finite (0 * inf is NaN; ``LoRABank`` rejects
 non-finite values).
+
+Decode (``LORA_DECODE``, small batches; ``triton_backend._pipeline`` decides) needs no shrink launch of its own:
+
+    _decode_segments_w13_shrink_kernel  program 0 builds the segments; the others write s13 by *slot*, each for a
+                                        few rank columns of the slot's adapter                 [T*K, 2, L_PAD*R_PAD]
+    gemm1 epilogue                      + this column block's share of the W2 shrink, A_down[:, cols] act[p, cols],
+                                        fp32                                                    [num_n, R, L_PAD*R_PAD]
+    gemm2                               sums the shares, times w / bf16(w), rounds, expands as above
+
+Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags).
 """
 
 from __future__ import annotations
