@@ -123,9 +123,10 @@ class LoRAExperts(nn.Module):
                 has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
         with_lora = self.lora is not None and lora_ids is not None and has_lora is not False
         packing = dict(num_experts=self.num_experts, validate=validate)
-        if self.backend == "triton" and (self.fused or not with_lora):
-            # The base path and the fused path read ids and weights as they are (no packing launches, ~7 µs of a
-            # 46 µs decode layer in a CUDA graph on the H200); they check what packing checks.
+        # On the triton backend the base path and the fused path read ids and weights as they are (no packing
+        # launches, ~7 µs of a 46 µs decode layer in a CUDA graph on the H200); they check what packing checks.
+        # Under torch.compile the base path stays routed_moe (one registered custom op).
+        if self.backend == "triton" and (self.fused if with_lora else not torch.compiler.is_compiling()):
             check_routing(topk_ids, topk_weights, **packing)
             if with_lora:
                 lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)

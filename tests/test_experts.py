@@ -268,3 +268,14 @@ def test_lora_experts_cuda_graph_capture_and_replay(backend):
     torch.cuda.synchronize()
     ref = reference.lora_experts(x2, wts2, ids2, lora2, w13, w2, bank)
     assert_close_to_reference(out, ref["output"], dtype, "replayed graph")
+
+
+def test_base_path_under_torch_compile(device):
+    """Without adapters LoRAExperts is routed_moe (a registered custom op) under torch.compile, and its result is
+    the eager call's (which reads ids and weights unpacked on the triton backend)."""
+    T, K, E, H, I, dtype = 6, 2, 4, 32, 16, torch.float32
+    x, ids, w, w13, w2, _, _ = make_problem(T, K, E, H, I, dtype, device)
+    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K)
+    compiled = torch.compile(lambda x, w, ids: experts(x, w, ids, None, validate=False),
+                             backend="aot_eager" if device.type == "cpu" else "inductor", fullgraph=True)
+    assert torch.equal(compiled(x, w, ids), experts(x, w, ids, None))
