@@ -56,14 +56,21 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
     return value
 
 
+def check_in_range(name: str, values: torch.Tensor, low: int, high: int, what: str, note: str = "") -> None:
+    """Every element of ``values`` in [low, high), else a ValueError naming ``what`` and the first offending
+    extreme. Reads device data (one host sync); an empty tensor passes."""
+    if values.numel() == 0:
+        return
+    lo, hi = torch.stack([values.min(), values.max()]).tolist()
+    if lo < low or hi >= high:
+        raise ValueError(f"{name}: expected {what} in [{low}, {high}){note}, got {lo if lo < low else hi}")
+
+
 def check_expert_ids(name: str, ids: torch.Tensor, num_experts: int, *, check_duplicates: bool = True) -> None:
     """Every id in [0, num_experts) and, where asked, no id twice in one token (one row). Reads device data."""
     if ids.numel() == 0:
         return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= num_experts:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name}: expected expert ids in [0, {num_experts}), got {bad}")
+    check_in_range(name, ids, 0, num_experts, "expert ids")
     if check_duplicates and ids.shape[-1] > 1:
         s = ids.sort(dim=-1).values
         dup = (s[..., 1:] == s[..., :-1]).any(dim=-1)

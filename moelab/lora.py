@@ -336,12 +336,8 @@ def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, 
             raise ValueError(f"segments: expected lora_segments of these {T * K} slots over this bank's {groups} "
                              f"groups, got {segments.slot_to_row.numel()} slots, {segments.num_groups} groups, "
                              f"tile {segments.tile}")
-    if validate and T > 0:
-        lo, hi = torch.stack([lora_ids.min(), lora_ids.max()]).tolist()  # one host sync
-        if lo < -1 or hi >= bank.max_loras:
-            bad = lo if lo < -1 else hi
-            raise ValueError(f"lora_ids: expected adapter ids in [-1, {bank.max_loras}) (-1 = no adapter), "
-                             f"got {bad}")
+    if validate:
+        _checks.check_in_range("lora_ids", lora_ids, -1, bank.max_loras, "adapter ids", " (-1 = no adapter)")
     return T, K
 
 

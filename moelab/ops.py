@@ -46,11 +46,8 @@ def finalize_torch(output, gemm2_output, expert_weights, e2p, w2_delta, scale: f
 def _check_map(e2p: torch.Tensor, num_rows: int, validate: bool) -> None:
     """The map must be contiguous (kernels index it flat) and, when ``validate``, inside [-1, num_rows)."""
     _checks.check_contiguous("expanded_idx_to_permuted_idx", e2p)
-    if validate and e2p.numel() > 0:
-        lo, hi = torch.stack([e2p.min(), e2p.max()]).tolist()  # one host sync
-        if lo < -1 or hi >= num_rows:
-            raise ValueError(f"expanded_idx_to_permuted_idx: expected rows in [-1, {num_rows}) of the permuted "
-                             f"buffer, got {lo if lo < -1 else hi}")
+    if validate:
+        _checks.check_in_range("expanded_idx_to_permuted_idx", e2p, -1, num_rows, "rows", " of the permuted buffer")
 
 
 def _use_triton(device: torch.device, use_triton: bool | None) -> bool:
