@@ -11,7 +11,6 @@ partials) -> GEMM2 (+expand) -> finalize, the base layer's four launches.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from moelab.kernels.moe_gemm import (
     _gemm2_kernel,
     _lora_shrink_kernel,
 )
-from moelab.kernels.segments import build_segments_triton, plan_one_chunk
+from moelab.kernels.segments import MAX_CHUNK, build_segments_triton, plan_one_chunk
 from moelab.lora import LoRABank
 from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 
@@ -103,7 +102,7 @@ class FusedLoRA:
 
 #: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM1's epilogue,
 #: no separate shrink launch) runs up to this many slots (one program builds their segments) on BLOCK_M < 64 tiles.
-FUSED_DECODE_MAX_SLOTS = 1024
+FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 #: ... while GEMM2's tiles read few of GEMM1's fp32 partials: pow2(GEMM1 column blocks) * BLOCK_M * stacked columns.
 #: H200, Qwen3-30B-A3B, one rank-16 adapter: at T=32 (6 blocks of 128 columns, 2048) the decode path took 287 µs
 #: against the per-tile shrinks' 295 (CUDA graphs); at T=1 (24 blocks of 32 columns, 8192) 57.8 against 55.
@@ -136,7 +135,11 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     T, K = routing.shape
     E_local, two_i, H = w13.shape
     I = two_i // 2
-    lora_cols = math.prod(lora.bank.stacked_pads) if lora else 0
+    if lora is not None:
+        bank = lora.bank
+        l_pad, r_pad = bank.stacked_pads
+        bank_args = (E_local, bank.max_loras, bank.max_rank)
+    lora_cols = l_pad * r_pad if lora is not None else 0
     cfg = config or choose_config(T, K, E_local, x.dtype, lora_cols)
     num_n1 = triton.cdiv(I, cfg.block_n)
     decode = None  # the fused LoRA's decode plan: one launch for the segments and the W13 shrink
@@ -164,9 +167,6 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,) * 3, (x,) * 3 + (0,) * 3 + (x,) * 3 + (0,) * 2
     lora_flags1 = lora_flags2 = {}
     if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 writes the W2 shrink's partials
-        bank = lora.bank
-        l_pad, r_pad = bank.stacked_pads
-        bank_args = (E_local, bank.max_loras, bank.max_rank)
         s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
         s2_parts = torch.empty(num_n1, reach, lora_cols, dtype=torch.float32, device=x.device)
         cols = min(8, 2 * r_pad)
@@ -178,16 +178,13 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_flags1 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
         lora_flags2 = dict(lora_flags1, N_PAD=triton.next_power_of_2(num_n1))
     elif lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
-        bank = lora.bank
-        l_pad, r_pad = bank.stacked_pads
-        bank_args = (E_local, bank.max_loras, bank.max_rank)
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
-        s13 = torch.empty(reach, 2, l_pad * r_pad, dtype=x.dtype, device=x.device)  # stacked [up | gate]
-        s2 = torch.empty(reach, l_pad * r_pad, dtype=x.dtype, device=x.device)
+        s13 = torch.empty(reach, 2, lora_cols, dtype=x.dtype, device=x.device)  # stacked [up | gate]
+        s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
-                            BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, l_pad * r_pad, x.element_size()),
-                            num_warps=8 if cfg.block_m * l_pad * r_pad > 128 * 64 else 4)
+                            BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, lora_cols, x.element_size()),
+                            num_warps=8 if cfg.block_m * lora_cols > 128 * 64 else 4)
         if live_blocks:
             _lora_shrink_kernel[(live_blocks,)](
                 x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),

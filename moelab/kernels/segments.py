@@ -31,6 +31,8 @@ from moelab.permutation import Segments, build_segments, max_live_rows
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
 MAX_GROUPS = 1023
+#: Slots one program sorts (the chunk); up to one chunk a single program builds the whole segments.
+MAX_CHUNK = 1024
 
 
 @triton.jit
@@ -162,10 +164,10 @@ class OneChunkPlan:
 def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
                    packed: bool = False) -> OneChunkPlan | None:
     """Allocate the segments of ``values`` (as :func:`build_segments_triton` takes them) for one program, or None
-    when they need more (over 1024 slots, over ``MAX_GROUPS`` groups, or no slot at all)."""
+    when they need more (over ``MAX_CHUNK`` slots, over ``MAX_GROUPS`` groups, or no slot at all)."""
     values = values.flatten()
     n = values.numel()
-    if n == 0 or n > 1024 or num_groups > MAX_GROUPS:
+    if n == 0 or n > MAX_CHUNK or num_groups > MAX_GROUPS:
         return None
     rows = max_live_rows(n, num_groups, tile)
     g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
@@ -203,7 +205,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
     g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
-    chunk, warps = 1024, 4
+    chunk, warps = MAX_CHUNK, 4
     num_chunks = triton.cdiv(n, chunk)
     cb = max(1, 4096 // g_bins)
     scratch_size = 3 * num_chunks * g_bins + g_bins
