@@ -59,6 +59,16 @@ def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
 
 
 @triton.jit
+def _own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Each row's adapter (:func:`_row_adapters`), whether the tile holds any, and the mask of each row's own block
+    of stacked columns, bool [BLOCK_M, L_PAD*R_PAD] (all False in a tile without an adapter)."""
+    adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
+    has_lora = tl.max(adapters, axis=0) >= 0
+    j = tl.arange(0, L_PAD * R_PAD)
+    return adapters, has_lora, tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
+
+
+@triton.jit
 def _stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Stacked A^T of this expert, bank ``A [L, E_local, max_rank, D]``: the offset of column j's row and whether
     it exists (int64 [L_PAD*R_PAD], bool), plus the adapter of each column."""
@@ -239,10 +249,8 @@ def _gemm1_swiglu_kernel(
     up_ptrs = gate_ptrs + I * stride_w_n
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
         if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
-            adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
-            has_lora = tl.max(adapters, axis=0) >= 0
+            _, has_lora, own = _own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
             j = tl.arange(0, L_PAD * R_PAD)
-            own = tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
             s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
             s_up = tl.load(s_ptrs, mask=own, other=0.0)
             s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
@@ -331,10 +339,9 @@ def _gemm2_kernel(
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
-            adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
-            has_lora = tl.max(adapters, axis=0) >= 0
+            adapters, has_lora, own = _own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
+                                                          R_PAD)
             j = tl.arange(0, L_PAD * R_PAD)
-            own = tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
             n = tl.arange(0, N_PAD)
             p_ptrs = (s2_ptr + n[:, None, None] * num_rows * (L_PAD * R_PAD)
                       + rows.to(tl.int64)[None, :, None] * (L_PAD * R_PAD) + j[None, None, :])
