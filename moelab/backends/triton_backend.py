@@ -4,8 +4,8 @@ interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), n
 Pipeline (launches): segments by local expert (one Triton program up to 1024 slots, else three) ->
 GEMM1 + LoRA delta + SwiGLU -> GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M,
 so a tile never mixes experts. With a fused LoRA bank (``LoRAExperts``): segments -> W13 shrink -> GEMM1 (+expand)
--> W2 shrink -> GEMM2 (+expand) -> finalize; at decode segments + W13 shrink -> GEMM1 (+expand, + W2 shrink
-partials) -> GEMM2 (+expand) -> finalize, the base layer's four launches.
+-> W2 shrink -> GEMM2 (+expand) -> finalize; at decode segments + W13 shrink -> GEMM1 (+expand) -> GEMM2 (+W2 shrink
+in its K loop, +expand) -> finalize, the base layer's four launches.
 """
 
 from __future__ import annotations
@@ -100,13 +100,12 @@ class FusedLoRA:
     lora_ids: torch.Tensor
 
 
-#: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM1's epilogue,
+#: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM2's K loop,
 #: no separate shrink launch) runs up to this many slots (one program builds their segments) on BLOCK_M < 64 tiles.
 FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
-#: ... while GEMM2's tiles read few of GEMM1's fp32 partials: pow2(GEMM1 column blocks) * BLOCK_M * stacked columns.
-#: H200, Qwen3-30B-A3B, one rank-16 adapter: at T=32 (6 blocks of 128 columns, 2048) the decode path took 287 µs
-#: against the per-tile shrinks' 295 (CUDA graphs); at T=1 (24 blocks of 32 columns, 8192) 57.8 against 55.
-_DECODE_PARTIALS = 2048
+#: Prefill tiles (the per-tile shrink launches) also do the W2 shrink in GEMM2's K loop up to this BLOCK_M (0: the W2
+#: shrink is its own launch at every prefill tile).
+W2_SHRINK_IN_GEMM2_MAX_BLOCK_M = 0
 
 
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
@@ -143,8 +142,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     cfg = config or choose_config(T, K, E_local, x.dtype, lora_cols)
     num_n1 = triton.cdiv(I, cfg.block_n)
     decode = None  # the fused LoRA's decode plan: one launch for the segments and the W13 shrink
-    if (lora is not None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS
-            and triton.next_power_of_2(num_n1) * cfg.block_m * lora_cols <= _DECODE_PARTIALS):
+    if lora is not None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS:
         decode = plan_one_chunk(routing, E_local, cfg.block_m, local_expert_offset, packed=False)
     if decode is not None:
         seg = decode.segments
@@ -164,23 +162,20 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
     # placeholders, never read without LoRA
-    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,) * 3, (x,) * 3 + (0,) * 3 + (x,) * 3 + (0,) * 2
+    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,), (x,) * 3 + (0,) * 3 + (x,) * 3 + (0, x)
     lora_flags1 = lora_flags2 = {}
-    if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 writes the W2 shrink's partials
+    w2_shrink_launch = False
+    if decode is not None:  # one launch: segments + W13 shrink by slot
         s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
-        s2_parts = torch.empty(num_n1, reach, lora_cols, dtype=torch.float32, device=x.device)
         cols = min(8, 2 * r_pad)
         _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
             *decode.args, x, bank.up_a, bank.gate_a, s13, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
             x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=512, num_warps=decode.num_warps)
-        lora_g1 = (s13, x, bank.up_b, bank.gate_b, *bank_args, lora.lora_ids, bank.down_a, s2_parts)
-        lora_g2 = (s2_parts, x, bank.down_b, *bank_args, seg.row_to_slot, lora.lora_ids, expert_weights, K, num_n1)
+        lora_g1 = (s13, x, bank.up_b, bank.gate_b, *bank_args, lora.lora_ids)
         lora_flags1 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
-        lora_flags2 = dict(lora_flags1, N_PAD=triton.next_power_of_2(num_n1))
-    elif lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
+    elif lora is not None:  # the per-tile W13 shrink launch (it writes the tile flags too)
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
         s13 = torch.empty(reach, 2, lora_cols, dtype=x.dtype, device=x.device)  # stacked [up | gate]
-        s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
                             BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, lora_cols, x.element_size()),
@@ -189,9 +184,16 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
             _lora_shrink_kernel[(live_blocks,)](
                 x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
                 GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True, **shrink_flags)
-        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args, x, x, x)
-        lora_g2 = (s2, tile_flags, bank.down_b, *bank_args, x, x, x, 0, 0)
-        lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
+        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args, x)
+        lora_flags1 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
+    if lora is not None:  # the W2 shrink: in GEMM2's K loop (decode; prefill up to a BLOCK_M), else its own launch
+        w2_shrink_launch = decode is None and cfg.block_m > W2_SHRINK_IN_GEMM2_MAX_BLOCK_M
+        if w2_shrink_launch:
+            s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
+            lora_g2 = (s2, tile_flags, bank.down_b, *bank_args, x, x, x, 0, x)
+        else:
+            lora_g2 = (x, x, bank.down_b, *bank_args, seg.row_to_slot, lora.lora_ids, expert_weights, K, bank.down_a)
+        lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_SHRINK=not w2_shrink_launch)
     _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
@@ -201,7 +203,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags1,
     )
-    if lora is not None and decode is None and live_blocks:
+    if w2_shrink_launch and live_blocks:
         _lora_shrink_kernel[(live_blocks,)](
             act, bank.down_a, bank.down_a, s2, tile_flags, *shrink_args, I, K, *bank_args, act.stride(0),
             GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False, **shrink_flags)

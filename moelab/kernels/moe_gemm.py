@@ -31,15 +31,16 @@ adapter (``tile_flags``); the other tiles skip every LoRA step, and a row withou
 its output is bit for bit the base path's as long as the bank is finite (0 * inf is NaN; ``LoRABank`` rejects
 non-finite values).
 
-Decode (``LORA_DECODE``, small batches; ``triton_backend._pipeline`` decides) needs no shrink launch of its own:
+Decode (small batches; ``triton_backend._pipeline`` decides) needs no shrink launch of its own:
 
     _decode_segments_w13_shrink_kernel  program 0 builds the segments; the others write s13 by *slot*, each for a
                                         few rank columns of the slot's adapter                 [T*K, 2, L_PAD*R_PAD]
-    gemm1 epilogue                      + this column block's share of the W2 shrink, A_down[:, cols] act[p, cols],
-                                        fp32                                                    [num_n, R, L_PAD*R_PAD]
-    gemm2                               sums the shares, times w / bf16(w), rounds, expands as above
+    gemm1 (LORA_DECODE)                 reads s13 by slot and expands as above
+    gemm2 (LORA_SHRINK)                 the W2 shrink rides its K loop: the act tiles it streams anyway, times the
+                                        stacked A_down^T, then times w / bf16(w), rounded, expanded as above
 
-Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags).
+Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags). Every GEMM2 column block repeats
+the tile's W2 shrink (L2 reads of A_down, [I, L_PAD*R_PAD] per tile), which a decode tile's weight streaming hides.
 """
 
 from __future__ import annotations
@@ -217,9 +218,8 @@ def _gemm1_swiglu_kernel(
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
     # fused LoRA (LORA): stacked W13 rank vectors [R, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate;
-    # LORA_DECODE: s13 by slot, the adapter ids, the bank's A_down, the W2 shrink's partials [num_n, R, L_PAD*R_PAD]
-    s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
-    lora_ids_ptr, down_a_ptr, s2p_ptr,
+    # LORA_DECODE: s13 by slot [T*K, 2, L_PAD*R_PAD] and the adapter ids instead of the tile flags
+    s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank, lora_ids_ptr,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
@@ -254,9 +254,6 @@ def _gemm1_swiglu_kernel(
             s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
             s_up = tl.load(s_ptrs, mask=own, other=0.0)
             s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
-            a_cols, a_ok, _ = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
-            a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
-            a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
             s_up = _stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
@@ -295,11 +292,6 @@ def _gemm1_swiglu_kernel(
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
-    if LORA_DECODE:
-        if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
-            part = _lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
-            p_ptrs = s2p_ptr + pid_n * num_rows * (L_PAD * R_PAD) + rows.to(tl.int64)[:, None] * (L_PAD * R_PAD)
-            tl.store(p_ptrs + j[None, :], part, mask=(rows < num_rows)[:, None])
 
 
 @triton.jit
@@ -308,13 +300,12 @@ def _gemm2_kernel(
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
     # fused LoRA (LORA): stacked W2 rank vectors [R, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down;
-    # LORA_DECODE: s2 holds GEMM1's partials [num_parts, R, L_PAD*R_PAD] (fp32, unweighted), weighted here
+    # LORA_SHRINK: the slots, adapter ids, caller's weights and the bank's A_down instead (the shrink is done here)
     s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
-    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k, num_parts,
+    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k, down_a_ptr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
-    N_PAD: tl.constexpr = 1,
+    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_SHRINK: tl.constexpr = False,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
@@ -335,18 +326,17 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
-        if LORA_DECODE:  # GEMM1's partials of each row's own adapter block, summed after the K loop
+        if LORA_SHRINK:  # the W2 shrink in the K loop below: A_down^T tiles [BLOCK_K, L_PAD*R_PAD] beside w's
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
             adapters, has_lora, own = _own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
                                                           R_PAD)
-            j = tl.arange(0, L_PAD * R_PAD)
-            n = tl.arange(0, N_PAD)
-            p_ptrs = (s2_ptr + n[:, None, None] * num_rows * (L_PAD * R_PAD)
-                      + rows.to(tl.int64)[None, :, None] * (L_PAD * R_PAD) + j[None, None, :])
-            parts = tl.load(p_ptrs, mask=(n < num_parts)[:, None, None] & own[None, :, :], other=0.0)
             ratio = _caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+            a_cols, a_ok, _ = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
+            a2_ptrs = down_a_ptr + a_cols[None, :] + ks[:, None]
+            a2_ok = tl.where(has_lora, (ks >= 0)[:, None] & a_ok[None, :], False)  # reads nothing without adapters
+            s_acc = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
             s_down = _stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
@@ -364,11 +354,20 @@ def _gemm2_kernel(
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if LORA_SHRINK:
+            if EVEN_K:
+                a2 = tl.load(a2_ptrs, mask=a2_ok, other=0.0)
+            else:
+                a2 = tl.load(a2_ptrs, mask=a2_ok & k_ok[:, None], other=0.0)
+            if DOT_F32:
+                a2 = a2.to(tl.float32)
+            s_acc = tl.dot(a, a2, s_acc, input_precision=DOT_PRECISION)
+            a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LORA:
-        if LORA_DECODE:  # the W2 rank vectors: partials summed, weighted, rounded to the input dtype
-            s_down = to_output(tl.sum(parts, axis=0) * ratio[:, None], act_ptr.dtype.element_ty)
+        if LORA_SHRINK:  # the W2 rank vectors of each row's own adapter, weighted, rounded to the input dtype
+            s_down = to_output(tl.where(own, s_acc, 0.0) * ratio[:, None], act_ptr.dtype.element_ty)
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
             acc = _lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
