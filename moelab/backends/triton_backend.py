@@ -4,8 +4,8 @@ interpreter), bf16/fp16/fp32, no host synchronisation (CUDA-graph capturable), n
 Pipeline (launches): segments by local expert (one Triton program up to 1024 slots, else three) ->
 GEMM1 + LoRA delta + SwiGLU -> GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M,
 so a tile never mixes experts. With a fused LoRA bank (``LoRAExperts``): segments -> W13 shrink -> GEMM1 (+expand)
--> W2 shrink -> GEMM2 (+expand) -> finalize; at decode segments + W13 shrink -> GEMM1 (+expand) -> GEMM2 (+W2 shrink
-in its K loop, +expand) -> finalize, the base layer's four launches.
+-> W2 shrink -> GEMM2 (+expand) -> finalize; at decode segments + W13 shrink -> GEMM1 (+expand, + W2 shrink by
+atomics) -> GEMM2 (+expand) -> finalize, the base layer's four launches.
 """
 
 from __future__ import annotations
@@ -100,12 +100,9 @@ class FusedLoRA:
     lora_ids: torch.Tensor
 
 
-#: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM2's K loop,
+#: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM1's epilogue,
 #: no separate shrink launch) runs up to this many slots (one program builds their segments) on BLOCK_M < 64 tiles.
 FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
-#: Prefill tiles (the per-tile shrink launches) also do the W2 shrink in GEMM2's K loop up to this BLOCK_M (0: the W2
-#: shrink is its own launch at every prefill tile).
-W2_SHRINK_IN_GEMM2_MAX_BLOCK_M = 0
 
 
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
@@ -162,20 +159,24 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
     # placeholders, never read without LoRA
-    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,), (x,) * 3 + (0,) * 3 + (x,) * 3 + (0, x)
+    lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,) * 3, (x,) * 3 + (0,) * 3 + (x,) * 3 + (0,)
     lora_flags1 = lora_flags2 = {}
-    w2_shrink_launch = False
-    if decode is not None:  # one launch: segments + W13 shrink by slot
+    if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 adds the W2 shrink to s2 by slot
         s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
-        cols = min(8, 2 * r_pad)
+        s2 = torch.empty(T * K, lora_cols, dtype=torch.float32, device=x.device)
+        block_k = min(triton.next_power_of_2(H), 4096)  # x and the A rows in one step (two at most below 8192)
+        cols = max(2, min(2 * r_pad, 4096 // block_k))  # rank columns a program: <= 4096 elements of A in flight
         _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
-            *decode.args, x, bank.up_a, bank.gate_a, s13, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
-            x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=512, num_warps=decode.num_warps)
-        lora_g1 = (s13, x, bank.up_b, bank.gate_b, *bank_args, lora.lora_ids)
-        lora_flags1 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
-    elif lora is not None:  # the per-tile W13 shrink launch (it writes the tile flags too)
+            *decode.args, x, bank.up_a, bank.gate_a, s13, s2, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
+            x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
+            num_warps=decode.num_warps)
+        lora_g1 = (s13, x, bank.up_b, bank.gate_b, *bank_args, lora.lora_ids, bank.down_a, s2)
+        lora_g2 = (s2, x, bank.down_b, *bank_args, seg.row_to_slot, lora.lora_ids, expert_weights, K)
+        lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
+    elif lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
         s13 = torch.empty(reach, 2, lora_cols, dtype=x.dtype, device=x.device)  # stacked [up | gate]
+        s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
                             BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, lora_cols, x.element_size()),
@@ -184,16 +185,9 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
             _lora_shrink_kernel[(live_blocks,)](
                 x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
                 GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True, **shrink_flags)
-        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args, x)
-        lora_flags1 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
-    if lora is not None:  # the W2 shrink: in GEMM2's K loop (decode; prefill up to a BLOCK_M), else its own launch
-        w2_shrink_launch = decode is None and cfg.block_m > W2_SHRINK_IN_GEMM2_MAX_BLOCK_M
-        if w2_shrink_launch:
-            s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
-            lora_g2 = (s2, tile_flags, bank.down_b, *bank_args, x, x, x, 0, x)
-        else:
-            lora_g2 = (x, x, bank.down_b, *bank_args, seg.row_to_slot, lora.lora_ids, expert_weights, K, bank.down_a)
-        lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_SHRINK=not w2_shrink_launch)
+        lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args, x, x, x)
+        lora_g2 = (s2, tile_flags, bank.down_b, *bank_args, x, x, x, 0)
+        lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
     _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
@@ -203,7 +197,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags1,
     )
-    if w2_shrink_launch and live_blocks:
+    if lora is not None and decode is None and live_blocks:
         _lora_shrink_kernel[(live_blocks,)](
             act, bank.down_a, bank.down_a, s2, tile_flags, *shrink_args, I, K, *bank_args, act.stride(0),
             GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False, **shrink_flags)

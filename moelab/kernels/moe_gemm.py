@@ -31,16 +31,18 @@ adapter (``tile_flags``); the other tiles skip every LoRA step, and a row withou
 its output is bit for bit the base path's as long as the bank is finite (0 * inf is NaN; ``LoRABank`` rejects
 non-finite values).
 
-Decode (small batches; ``triton_backend._pipeline`` decides) needs no shrink launch of its own:
+Decode (``LORA_DECODE``, small batches; ``triton_backend._pipeline`` decides) needs no shrink launch of its own:
 
     _decode_segments_w13_shrink_kernel  program 0 builds the segments; the others write s13 by *slot*, each for a
-                                        few rank columns of the slot's adapter                 [T*K, 2, L_PAD*R_PAD]
-    gemm1 (LORA_DECODE)                 reads s13 by slot and expands as above
-    gemm2 (LORA_SHRINK)                 the W2 shrink rides its K loop: the act tiles it streams anyway, times the
-                                        stacked A_down^T, then times w / bf16(w), rounded, expanded as above
+                                        few rank columns of the slot's adapter, and zero the slot's s2 row
+                                                                                                [T*K, 2, L_PAD*R_PAD]
+    gemm1 epilogue                      expands as above, then adds this column block's share of the W2 shrink,
+                                        A_down[:, cols] act[p, cols], to s2 by slot (fp32 atomics) [T*K, L_PAD*R_PAD]
+    gemm2                               reads s2 by slot, times w / bf16(w), rounds, expands as above
 
-Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags). Every GEMM2 column block repeats
-the tile's W2 shrink (L2 reads of A_down, [I, L_PAD*R_PAD] per tile), which a decode tile's weight streaming hides.
+Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags). The atomics make the fp32 order of
+the W2 shrink's sum over column blocks vary from run to run (the LoRA term of a row may differ in its last bit);
+rows without an adapter never touch them.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def _lora_shrink_kernel(
 def _decode_segments_w13_shrink_kernel(
     values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
     num_slots, offset, num_groups, num_rows, num_blocks,
-    x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
+    x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
     TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
     L_PAD: tl.constexpr, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -152,7 +154,9 @@ def _decode_segments_w13_shrink_kernel(
     other program shrinks one slot for COLS of its adapter's 2*R_PAD [up | gate] rank columns, in the same launch.
 
     s13 [slots, 2, L_PAD*R_PAD] (input dtype, fp32 accumulation) is written by *slot* and only in the block of the
-    slot's adapter (GEMM1 reads nothing else); slots without an adapter or a local expert write nothing.
+    slot's adapter (GEMM1 reads nothing else); the slot's first program zeroes that block of s2 [slots,
+    L_PAD*R_PAD] (fp32) for GEMM1's atomics. Slots without an adapter or a local expert write nothing. BLOCK_K >= H
+    reads x and the A rows in one step (a loop of dependent loads costs ~1 µs a step at decode).
     """
     pid = tl.program_id(0)
     if pid == 0:
@@ -160,25 +164,29 @@ def _decode_segments_w13_shrink_kernel(
                            offset, num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
     else:
         slot = (pid - 1) // (2 * R_PAD // COLS)
-        c = (pid - 1) % (2 * R_PAD // COLS) * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
+        part = (pid - 1) % (2 * R_PAD // COLS)
+        c = part * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
         expert = tl.load(values_ptr + slot).to(tl.int32) - offset
         token = (slot // top_k).to(tl.int64)
         adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
         if (expert >= 0) & (expert < num_groups) & (adapter >= 0) & (adapter < num_loras):
             is_gate, rank = c // R_PAD, c % R_PAD
             a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
+            a_base = tl.where(is_gate == 1, gate_a_ptr + a_rows, up_a_ptr + a_rows)
             ok = rank < max_rank
             acc = tl.zeros((COLS,), dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < H
                 xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
-                offs = a_rows[:, None] + k[None, :]
-                a = tl.load(up_a_ptr + offs, mask=(ok & (is_gate == 0))[:, None] & k_ok[None, :], other=0.0)
-                a += tl.load(gate_a_ptr + offs, mask=(ok & (is_gate == 1))[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_base[:, None] + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
                 acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
             out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD + rank
             tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
+            if part == 0:
+                r = tl.arange(0, R_PAD)
+                tl.store(s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD + r,
+                         tl.zeros((R_PAD,), dtype=tl.float32))
 
 
 @triton.jit
@@ -218,8 +226,9 @@ def _gemm1_swiglu_kernel(
     num_live_blocks, num_rows, H, I, top_k,
     stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
     # fused LoRA (LORA): stacked W13 rank vectors [R, 2, L_PAD*R_PAD], tile flags, the bank's B_up and B_gate;
-    # LORA_DECODE: s13 by slot [T*K, 2, L_PAD*R_PAD] and the adapter ids instead of the tile flags
-    s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank, lora_ids_ptr,
+    # LORA_DECODE: s13 by slot, the adapter ids, the bank's A_down and s2 by slot [T*K, L_PAD*R_PAD] (fp32, added to)
+    s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras, max_rank,
+    lora_ids_ptr, down_a_ptr, s2_ptr,
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
@@ -254,6 +263,9 @@ def _gemm1_swiglu_kernel(
             s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
             s_up = tl.load(s_ptrs, mask=own, other=0.0)
             s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
+            a_cols, a_ok, _ = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
+            a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
+            a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
             s_up = _stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
@@ -292,6 +304,11 @@ def _gemm1_swiglu_kernel(
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
+    if LORA_DECODE:
+        if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
+            part = _lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
+            s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
+            tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
 
 
 @triton.jit
@@ -300,12 +317,12 @@ def _gemm2_kernel(
     num_live_blocks, num_rows, H, I,
     stride_act_r, stride_w_e, stride_w_n, stride_out_r,
     # fused LoRA (LORA): stacked W2 rank vectors [R, L_PAD*R_PAD] (weighted), tile flags, the bank's B_down;
-    # LORA_SHRINK: the slots, adapter ids, caller's weights and the bank's A_down instead (the shrink is done here)
+    # LORA_DECODE: s2 by slot [T*K, L_PAD*R_PAD] (fp32, unweighted; GEMM1's sums), the slots, adapter ids, weights
     s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, max_rank,
-    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k, down_a_ptr,
+    row_to_slot_ptr, lora_ids_ptr, weights_ptr, top_k,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_SHRINK: tl.constexpr = False,
+    LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
@@ -326,17 +343,15 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
-        if LORA_SHRINK:  # the W2 shrink in the K loop below: A_down^T tiles [BLOCK_K, L_PAD*R_PAD] beside w's
+        if LORA_DECODE:  # GEMM1's W2 shrink of each row's own adapter block, by slot, weighted after the K loop
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
             adapters, has_lora, own = _own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
                                                           R_PAD)
+            j = tl.arange(0, L_PAD * R_PAD)
+            s2_sum = tl.load(s2_ptr + slots[:, None] * (L_PAD * R_PAD) + j[None, :], mask=own, other=0.0)
             ratio = _caller_weight_ratio(weights_ptr, slots, adapters >= 0)
-            a_cols, a_ok, _ = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
-            a2_ptrs = down_a_ptr + a_cols[None, :] + ks[:, None]
-            a2_ok = tl.where(has_lora, (ks >= 0)[:, None] & a_ok[None, :], False)  # reads nothing without adapters
-            s_acc = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
             s_down = _stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
@@ -354,20 +369,11 @@ def _gemm2_kernel(
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if LORA_SHRINK:
-            if EVEN_K:
-                a2 = tl.load(a2_ptrs, mask=a2_ok, other=0.0)
-            else:
-                a2 = tl.load(a2_ptrs, mask=a2_ok & k_ok[:, None], other=0.0)
-            if DOT_F32:
-                a2 = a2.to(tl.float32)
-            s_acc = tl.dot(a, a2, s_acc, input_precision=DOT_PRECISION)
-            a2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LORA:
-        if LORA_SHRINK:  # the W2 rank vectors of each row's own adapter, weighted, rounded to the input dtype
-            s_down = to_output(tl.where(own, s_acc, 0.0) * ratio[:, None], act_ptr.dtype.element_ty)
+        if LORA_DECODE:  # the W2 rank vectors: weighted, rounded to the input dtype
+            s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
             acc = _lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
