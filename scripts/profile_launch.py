@@ -1,17 +1,22 @@
 """Where an eager call's time goes: host time before each launch and the GPU's idle gaps between kernels.
 
     python scripts/profile_launch.py --tokens 1,128,16384 --modes base,lora,lora-idle   # on a CUDA GPU
+    python scripts/profile_launch.py --tokens 1 --modes routed --host 200               # + where host time goes
 
 For each T and mode, one eager call after warm-up (Qwen3-30B-A3B shapes, bf16, uniform routing), printed as
 every CUDA kernel with its start and end on the GPU, relative to the first host op of the call, and the idle
 gaps; then the host time of a whole call. An eager call is slower than its CUDA graph by the host time the GPU
 waits for. Modes: ``base`` (no LoRA), ``lora`` (LoRAExperts, one rank-16 adapter on every token; ``--flow``
-for the unfused flow), ``lora-idle`` (the LoRA path forced with every id -1: the cost of the LoRA code alone).
+for the unfused flow), ``lora-idle`` (the LoRA path forced with every id -1: the cost of the LoRA code alone),
+``routed`` (``moelab.routed_moe`` with packed routing, ``validate=False``: the bench's ``moelab triton``).
+``--host N``: also N eager calls under cProfile, the functions with the most own host time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -26,10 +31,11 @@ def main() -> None:
     p.add_argument("--tokens", default="128", help="comma-separated token counts")
     p.add_argument("--modes", default="base,lora", help="comma-separated: base, lora, lora-idle")
     p.add_argument("--flow", action="store_true", help="LoRAExperts(fused=False): vLLM's unfused flow")
+    p.add_argument("--host", type=int, default=0, help="N calls under cProfile (0: none)")
     a = p.parse_args()
     for T in (int(t) for t in a.tokens.split(",")):
         for mode in a.modes.split(","):
-            profile_one(T, mode, a.flow)
+            profile_one(T, mode, a.flow, a.host)
     print_registers()
 
 
@@ -44,10 +50,10 @@ def print_registers() -> None:
                       f"{kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared")
 
 
-def profile_one(T: int, mode: str, flow: bool) -> None:
+def profile_one(T: int, mode: str, flow: bool, host_calls: int = 0) -> None:
     s = SHAPES["qwen3-30b-a3b"]
     dev, dt = "cuda", torch.bfloat16
-    lora = mode != "base"
+    lora = mode not in ("base", "routed")
     g = torch.Generator(device=dev).manual_seed(0)
     w13 = torch.randn(s.E, 2 * s.I, s.H, device=dev, dtype=dt, generator=g) / s.H**0.5
     w2 = torch.randn(s.E, s.H, s.I, device=dev, dtype=dt, generator=g) / s.I**0.5
@@ -62,7 +68,11 @@ def profile_one(T: int, mode: str, flow: bool) -> None:
                                  fused=False if flow else None)
     lora_ids = torch.full((T,), -1 if mode == "lora-idle" else 0, dtype=torch.int32, device=dev) if lora else None
 
+    W, packed = moelab.prepare_weights(w13, w2, backend="triton"), moelab.pack_topk_ids_weights(ids, w)
+
     def call():
+        if mode == "routed":
+            return moelab.routed_moe(packed, x, W, num_experts=s.E, top_k=s.K, validate=False)[0]
         return experts(x, w, ids, lora_ids, has_lora=lora, validate=False)
 
     for _ in range(20):
@@ -93,6 +103,13 @@ def profile_one(T: int, mode: str, flow: bool) -> None:
         last_end = end
     host.sort()
     print(f"host time of a call (GPU idle before it): median {1e6 * host[len(host) // 2]:.1f} µs")
+    if host_calls:
+        with cProfile.Profile() as prof_host:
+            for _ in range(host_calls):
+                call()
+        torch.cuda.synchronize()
+        print(f"host: {host_calls} calls under cProfile, by own time")
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":
