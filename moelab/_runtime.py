@@ -32,6 +32,25 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
     return torch.cuda.get_device_capability(device)
 
 
+#: Programmatic dependent launch between the pipeline's kernels (Hopper and newer, compiled Triton only): each
+#: kernel is launched with ``launch_pdl`` and starts with :func:`moelab.kernels._common.wait_for_previous_kernel`,
+#: so the next kernel's programs are scheduled while the previous kernel's last ones still run, and wait there
+#: until its writes are visible. ``MOELAB_PDL=0`` turns it off (e.g. to measure what it buys).
+PDL: bool = os.environ.get("MOELAB_PDL", "1") == "1"
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options of a pipeline kernel on ``device``: ``USE_GDC`` and ``launch_pdl`` where PDL applies, else
+    none (the interpreter, CPU tensors, GPUs before SM 9.0, ``PDL`` off)."""
+    if not PDL or INTERPRET or device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_devices:
+        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return {"USE_GDC": True, "launch_pdl": True} if _pdl_devices[index] else {}
+
+
 def triton_can_run(device: torch.device) -> bool:
     """Triton runs compiled on any CUDA device, and in its interpreter on CPU tensors."""
     if not HAS_TRITON:

@@ -151,6 +151,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     gemm2 = torch.empty(R2, H, dtype=x.dtype, device=x.device)
     dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
     dot_f32, precision = _dot_flags(x.dtype)
+    pdl = _runtime.pdl_launch(x.device)  # each kernel may be scheduled while the previous one ends (Hopper+)
     live_blocks = seg.block_group.numel()
     # The GEMM grids cover the rows live data can reach; FlashInfer's 128 KiB floor can make a buffer taller
     # (tiny H or I, decode): that tail is filled here instead of by thousands of do-nothing programs.
@@ -169,7 +170,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
             *decode.args, x, bank.up_a, bank.gate_a, s13, s2, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
             x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
-            num_warps=decode.num_warps)
+            num_warps=decode.num_warps, **pdl)
         lora_g1 = (s13, x, bank.up_b, bank.gate_b, *bank_args, lora.lora_ids, bank.down_a, s2)
         lora_g2 = (s2, x, bank.down_b, *bank_args, seg.row_to_slot, lora.lora_ids, expert_weights, K)
         lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
@@ -180,7 +181,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
                             BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, lora_cols, x.element_size()),
-                            num_warps=8 if cfg.block_m * lora_cols > 128 * 64 else 4)
+                            num_warps=8 if cfg.block_m * lora_cols > 128 * 64 else 4, **pdl)
         if live_blocks:
             _lora_shrink_kernel[(live_blocks,)](
                 x, bank.up_a, bank.gate_a, s13, tile_flags, *shrink_args, H, K, *bank_args, x.stride(0),
@@ -195,7 +196,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         *lora_g1,
         HAS_DELTA=delta is not None, DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=H % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags1, **pdl,
     )
     if lora is not None and decode is None and live_blocks:
         _lora_shrink_kernel[(live_blocks,)](
@@ -208,7 +209,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         *lora_g2,
         DOT_F32=dot_f32, DOT_PRECISION=precision, DEAD_FILL=dead_fill,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=I % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags2, **pdl,
     )
     if do_finalize:
         if output is None:

@@ -18,6 +18,16 @@ INTERPRET = tl.constexpr(_runtime.INTERPRET)
 
 
 @triton.jit
+def wait_for_previous_kernel(USE_GDC: tl.constexpr):
+    """First statement of every pipeline kernel launched with programmatic dependent launch (``USE_GDC``, see
+    ``moelab._runtime.PDL``): wait until the previous kernel in the stream has finished and its writes are visible,
+    then let the next kernel's programs be scheduled (they wait here in turn before touching memory)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def to_output(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` with round-to-nearest-even, also in the interpreter."""
     if INTERPRET and dtype == tl.bfloat16:

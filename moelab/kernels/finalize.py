@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels._common import to_output
+from moelab import _runtime
+from moelab.kernels._common import to_output, wait_for_previous_kernel
 
 
 @triton.jit
@@ -21,8 +22,9 @@ def _finalize_kernel(
     out_ptr, gemm2_ptr, weights_ptr, e2p_ptr, delta_ptr, scale,
     num_rows, H, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,
     TOP_K: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_SCALE: tl.constexpr, PACKED_WEIGHTS: tl.constexpr,
-    ROUND_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROUND_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(USE_GDC)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -73,5 +75,6 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
         delta.stride(0) if w2_delta is not None else 0, delta.stride(1) if w2_delta is not None else 0,
         TOP_K=K, HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights,
         ROUND_WEIGHTS=round_weights, BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1,
+        **_runtime.pdl_launch(output.device),
     )
     return output

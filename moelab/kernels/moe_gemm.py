@@ -50,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelab.kernels._common import shrink_step, to_output
+from moelab.kernels._common import shrink_step, to_output, wait_for_previous_kernel
 from moelab.kernels.segments import one_chunk_segments
 
 
@@ -97,6 +97,7 @@ def _lora_shrink_kernel(
     GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr, WRITE_FLAGS: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     L_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """One program per live tile of the GEMMs' rows: stacked rank vectors ``A_j @ in[row]`` of each row's adapter,
     [BLOCK_M, NUM_SLICES, L_PAD*R_PAD] in the input dtype (fp32 accumulation), zero outside its block.
@@ -105,6 +106,7 @@ def _lora_shrink_kernel(
     max_rank, D]`` contiguous. WEIGHTED: times ``w[slot] / bf16(w[slot])`` (see the module docstring).
     WRITE_FLAGS: store whether the tile holds any adapter (tiles without one are skipped, here and in the GEMMs).
     """
+    wait_for_previous_kernel(USE_GDC)
     pid_m = tl.program_id(0)
     expert = tl.load(block_group_ptr + pid_m)
     if expert < 0:  # past the live rows: the GEMMs read nothing here
@@ -149,6 +151,7 @@ def _decode_segments_w13_shrink_kernel(
     x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
     TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
     L_PAD: tl.constexpr, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """Decode (one chunk of slots): program 0 builds the segments (:func:`one_chunk_segments`, ids unpacked), every
     other program shrinks one slot for COLS of its adapter's 2*R_PAD [up | gate] rank columns, in the same launch.
@@ -158,6 +161,7 @@ def _decode_segments_w13_shrink_kernel(
     L_PAD*R_PAD] (fp32) for GEMM1's atomics. Slots without an adapter or a local expert write nothing. BLOCK_K >= H
     reads x and the A rows in one step (a loop of dependent loads costs ~1 µs a step at decode).
     """
+    wait_for_previous_kernel(USE_GDC)
     pid = tl.program_id(0)
     if pid == 0:
         one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots,
@@ -232,7 +236,9 @@ def _gemm1_swiglu_kernel(
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(USE_GDC)
     num_n = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
     pid_m = pid // num_n  # consecutive programs share the gathered rows and sweep the expert's columns
@@ -323,7 +329,9 @@ def _gemm2_kernel(
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(USE_GDC)
     num_n = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
     pid_m = pid // num_n

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelab import _runtime
+from moelab.kernels._common import wait_for_previous_kernel
 from moelab.permutation import Segments, build_segments, max_live_rows
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
@@ -118,7 +120,8 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
 def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
                                num_slots, offset, num_groups, num_rows, num_blocks,
                                TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
-                               CB: tl.constexpr):
+                               CB: tl.constexpr, USE_GDC: tl.constexpr = False):
+    wait_for_previous_kernel(USE_GDC)
     one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset,
                        num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
 
@@ -200,7 +203,8 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         return build_segments(ids.long() - offset, num_groups, tile)
     plan = plan_one_chunk(values, num_groups, tile, offset, packed=packed)
     if plan is not None:
-        _segments_one_chunk_kernel[(1,)](*plan.args, **plan.meta, num_warps=plan.num_warps)
+        _segments_one_chunk_kernel[(1,)](*plan.args, **plan.meta, num_warps=plan.num_warps,
+                                         **_runtime.pdl_launch(device=values.device))
         return plan.segments
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
