@@ -151,7 +151,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     gemm2 = torch.empty(R2, H, dtype=x.dtype, device=x.device)
     dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
     dot_f32, precision = _dot_flags(x.dtype)
-    pdl = _runtime.pdl_launch(x.device)  # each kernel may be scheduled while the previous one ends (Hopper+)
+    pdl = _runtime.pdl_launch(x.device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     live_blocks = seg.block_group.numel()
     # The GEMM grids cover the rows live data can reach; FlashInfer's 128 KiB floor can make a buffer taller
     # (tiny H or I, decode): that tail is filled here instead of by thousands of do-nothing programs.
