@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import triton
 
 from moelab import _runtime
+from moelab.kernels._common import cdiv, next_pow2
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import (
     _decode_segments_w13_shrink_kernel,
@@ -137,7 +137,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         bank_args = (E_local, bank.max_loras, bank.max_rank)
     lora_cols = l_pad * r_pad if lora is not None else 0
     cfg = config or choose_config(T, K, E_local, x.dtype, lora_cols)
-    num_n1 = triton.cdiv(I, cfg.block_n)
+    num_n1 = cdiv(I, cfg.block_n)
     decode = None  # the fused LoRA's decode plan: one launch for the segments and the W13 shrink
     if lora is not None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS:
         decode = plan_one_chunk(routing, E_local, cfg.block_m, local_expert_offset, packed=False)
@@ -165,7 +165,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 adds the W2 shrink to s2 by slot
         s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
         s2 = torch.empty(T * K, lora_cols, dtype=torch.float32, device=x.device)
-        block_k = min(triton.next_power_of_2(H), 4096)  # x and the A rows in one step (two at most below 8192)
+        block_k = min(next_pow2(H), 4096)  # x and the A rows in one step (two at most below 8192)
         cols = max(2, min(2 * r_pad, 4096 // block_k))  # rank columns a program: <= 4096 elements of A in flight
         _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
             *decode.args, x, bank.up_a, bank.gate_a, s13, s2, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
@@ -189,7 +189,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_g1 = (s13, tile_flags, bank.up_b, bank.gate_b, *bank_args, x, x, x)
         lora_g2 = (s2, tile_flags, bank.down_b, *bank_args, x, x, x, 0)
         lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad)
-    _gemm1_swiglu_kernel[(triton.cdiv(reach, cfg.block_m) * num_n1,)](
+    _gemm1_swiglu_kernel[(cdiv(reach, cfg.block_m) * num_n1,)](
         x, w13, delta if delta is not None else x, act, seg.row_to_slot, seg.block_group,
         live_blocks, reach, H, I, K,
         x.stride(0), w13.stride(0), w13.stride(1), 2 * I if delta is not None else 0, act.stride(0),
@@ -202,7 +202,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         _lora_shrink_kernel[(live_blocks,)](
             act, bank.down_a, bank.down_a, s2, tile_flags, *shrink_args, I, K, *bank_args, act.stride(0),
             GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False, **shrink_flags)
-    _gemm2_kernel[(triton.cdiv(reach, cfg.block_m) * triton.cdiv(H, cfg.block_n),)](
+    _gemm2_kernel[(cdiv(reach, cfg.block_m) * cdiv(H, cfg.block_n),)](
         act, w2, gemm2, seg.block_group,
         live_blocks, reach, H, I,
         act.stride(0), w2.stride(0), w2.stride(1), gemm2.stride(0),

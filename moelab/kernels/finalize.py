@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import to_output, wait_for_previous_kernel
+from moelab.kernels._common import cdiv, next_pow2, to_output, wait_for_previous_kernel
 
 
 @triton.jit
@@ -67,9 +67,9 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
         return output
     # 16-byte vectors per thread, up to 1024 columns per program (a row of H=2048 is two programs); decode batches
     # take 512 for more programs in flight (H200, T=32: 1.8 vs 2.3 µs in a CUDA graph).
-    block_h = min(1024 if T >= 1024 else 512, triton.next_power_of_2(H))
+    block_h = min(1024 if T >= 1024 else 512, next_pow2(H))
     delta = w2_delta if w2_delta is not None else output  # placeholder pointer, never read
-    _finalize_kernel[(T, triton.cdiv(H, block_h))](
+    _finalize_kernel[(T, cdiv(H, block_h))](
         output, gemm2_output, expert_weights, e2p, delta, float(scale),
         gemm2_output.shape[0], H, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
         delta.stride(0) if w2_delta is not None else 0, delta.stride(1) if w2_delta is not None else 0,

@@ -54,14 +54,14 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import shrink_step, to_output
+from moelab.kernels._common import next_pow2, shrink_step, to_output
 from moelab.permutation import Segments
 
 __all__ = ["lora_shrink_expand_triton"]
 
 
 def _pow2_block(n: int, low: int, high: int) -> int:
-    return min(max(triton.next_power_of_2(max(n, 1)), low), high)
+    return min(max(next_pow2(max(n, 1)), low), high)
 
 
 @triton.jit

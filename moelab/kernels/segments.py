@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import wait_for_previous_kernel
+from moelab.kernels._common import cdiv, next_pow2, wait_for_previous_kernel
 from moelab.permutation import Segments, build_segments, max_live_rows
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
@@ -173,8 +173,8 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
     if n == 0 or n > MAX_CHUNK or num_groups > MAX_GROUPS:
         return None
     rows = max_live_rows(n, num_groups, tile)
-    g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
-    chunk = triton.next_power_of_2(n)
+    g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
+    chunk = next_pow2(n)
     # One allocation for every output and the scratch (each allocation is host time at decode sizes).
     buf = torch.empty(n + rows + rows // tile + g_bins, dtype=torch.int32, device=values.device)
     slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, g_bins])
@@ -208,9 +208,9 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         return plan.segments
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
-    g_bins = triton.next_power_of_2(num_groups + 1)  # the last bin collects the slots in no group
+    g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk, warps = MAX_CHUNK, 4
-    num_chunks = triton.cdiv(n, chunk)
+    num_chunks = cdiv(n, chunk)
     cb = max(1, 4096 // g_bins)
     scratch_size = 3 * num_chunks * g_bins + g_bins
     buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
@@ -224,6 +224,6 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     num_blocks = rows // tile
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
-                                            triton.cdiv(num_blocks, num_chunks), TILE=tile, CHUNK=chunk,
+                                            cdiv(num_blocks, num_chunks), TILE=tile, CHUNK=chunk,
                                             G_BINS=g_bins, PACKED=packed, CB=cb, num_warps=warps)
     return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)

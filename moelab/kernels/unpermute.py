@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelab.kernels._common import cdiv, next_pow2
+
 
 @triton.jit
 def _unpermute_activation_kernel(act_ptr, e2p_ptr, out_ptr, num_rows, I, stride_act_r, stride_out_r,
@@ -30,8 +32,8 @@ def unpermute_activation_triton(act_permuted: torch.Tensor, e2p: torch.Tensor) -
     out = torch.empty(n, I, dtype=act_permuted.dtype, device=act_permuted.device)
     if n == 0 or I == 0:
         return out
-    block_i = min(1024, triton.next_power_of_2(I))
-    _unpermute_activation_kernel[(n, triton.cdiv(I, block_i))](
+    block_i = min(1024, next_pow2(I))
+    _unpermute_activation_kernel[(n, cdiv(I, block_i))](
         act_permuted, e2p, out, act_permuted.shape[0], I, act_permuted.stride(0), out.stride(0), BLOCK_I=block_i,
         num_warps=4 if block_i >= 512 else 1,
     )
