@@ -17,7 +17,9 @@ A token without an adapter comes out bit-for-bit as the base path computes it (t
 flow its delta rows are exact zeros, the GEMMs run the same tiles, and the finalize finishes the base sum before
 it adds the (zero) LoRA sum; on the fused path its rank vectors are exact zeros, so the GEMM epilogues add exact
 zeros to the same accumulators. Both rest on a finite bank (``LoRABank`` rejects inf and NaN): a fused tile
-multiplies every adapter's B by the other rows' zeros.
+multiplies every adapter's B by the other rows' zeros. At decode the fused path sums the W2 shrink over GEMM1's
+column blocks with fp32 atomics, so a token *with* an adapter may differ in its last bit from run to run
+(``fused=False`` is bitwise reproducible).
 """
 
 from __future__ import annotations

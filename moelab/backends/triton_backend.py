@@ -5,7 +5,8 @@ Pipeline (launches): segments by local expert (one Triton program up to 1024 slo
 GEMM1 + LoRA delta + SwiGLU -> GEMM2 -> finalize. The tile of the permuted space is the GEMM's BLOCK_M,
 so a tile never mixes experts. With a fused LoRA bank (``LoRAExperts``): segments -> W13 shrink -> GEMM1 (+expand)
 -> W2 shrink -> GEMM2 (+expand) -> finalize; at decode segments + W13 shrink -> GEMM1 (+expand, + W2 shrink by
-atomics) -> GEMM2 (+expand) -> finalize, the base layer's four launches.
+atomics) -> GEMM2 (+expand) -> finalize, the base layer's four launches. While a CUDA graph is captured on Hopper or
+newer, the kernels are chained by programmatic dependent launch (``moelab._runtime.pdl_launch``).
 """
 
 from __future__ import annotations
