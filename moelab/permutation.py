@@ -25,6 +25,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b), e.g. for launch grids (plain Python: ``triton.cdiv`` is a constexpr function, a few µs of host
+    time a call, which decode launches feel)."""
+    return -(-a // b)
+
+
 def default_tile(num_tokens: int, top_k: int, num_local_experts: int) -> int:
     """FlashInfer's default CTA token tile (``computeSelectedTileN``): the smallest of its candidates.
 

@@ -198,6 +198,25 @@ def test_fused_lora_when_i_spans_more_column_blocks_than_h(T, K, H, I, backend, 
     assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "LoRA part")
 
 
+def test_fused_decode_w13_shrink_over_several_programs_and_k_steps(device, monkeypatch):
+    """The decode launch's W13 shrink as real shapes run it (H = 2048: 16 programs of 2 rank columns per slot, the
+    first one zeroing the slot's W2 sums), forced at test size: 2 columns a program, K steps of 16 over H = 40. Scratch
+    buffers are NaN-poisoned (debug mode), so a value no kernel wrote cannot pass."""
+    from moelab import _runtime
+    from moelab.backends import triton_backend
+    monkeypatch.setattr(triton_backend, "_decode_w13_shrink_shape", lambda H, r_pad: (16, 2))
+    monkeypatch.setattr(_runtime, "DEBUG_DEAD_ROWS", True)
+    T, K, E, H, I, dtype = 6, 3, 8, 40, 24, torch.float32
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=2, ranks=(16, 5), seed=11,
+                                                          lora_ids=torch.tensor([0, 1, -1, 1, 0, 0]))
+    bank = make_bank(adapters, E, 0, H, I, 16, dtype, device)
+    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, lora=bank)
+    out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], dtype, "output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "LoRA part")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_lora_ids_and_unvalidated_ids_outside_the_bank(backend, device):
     """A column view of a wider id tensor is read by its strides; with validate=False an id past the bank is

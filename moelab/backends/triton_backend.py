@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from moelab import _runtime
-from moelab.kernels._common import cdiv, next_pow2
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import (
     _decode_segments_w13_shrink_kernel,
@@ -29,6 +28,7 @@ from moelab.kernels.moe_gemm import (
 from moelab.kernels.segments import MAX_CHUNK, build_segments_triton, plan_one_chunk
 from moelab.lora import LoRABank
 from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.permutation import cdiv, next_pow2
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -106,6 +106,14 @@ class FusedLoRA:
 FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 
 
+def _decode_w13_shrink_shape(H: int, r_pad: int) -> tuple[int, int]:
+    """(BLOCK_K, COLS) of the decode launch's W13 shrink: x and a program's A rows in one K step up to H = 4096 (on
+    the H200 that launch took 7.9 µs with 4 steps of 512, 3.7 with one: each dependent step waits on memory), at
+    most 4096 elements of A a program, so a slot's 2*R_PAD rank columns spread over 2*R_PAD / COLS programs."""
+    block_k = min(next_pow2(H), 4096)
+    return block_k, max(2, min(2 * r_pad, 4096 // block_k))
+
+
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
     """BLOCK_K of the LoRA shrink kernels: 256 for decode tiles, 64 for prefill tiles (H200), smaller when a
     pipeline stage (x tile + two stacked A tiles, ``BK * (BLOCK_M + 2 * columns)`` elements) would pass 64 KB."""
@@ -166,8 +174,10 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 adds the W2 shrink to s2 by slot
         s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
         s2 = torch.empty(T * K, lora_cols, dtype=torch.float32, device=x.device)
-        block_k = min(next_pow2(H), 4096)  # x and the A rows in one step (two at most below 8192)
-        cols = max(2, min(2 * r_pad, 4096 // block_k))  # rank columns a program: <= 4096 elements of A in flight
+        block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+        if _runtime.DEBUG_DEAD_ROWS:  # poisoned: a read of a value no kernel wrote shows up as NaN
+            s13.fill_(dead_fill)
+            s2.fill_(dead_fill)
         _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
             *decode.args, x, bank.up_a, bank.gate_a, s13, s2, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
             x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
@@ -179,6 +189,9 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
         s13 = torch.empty(reach, 2, lora_cols, dtype=x.dtype, device=x.device)  # stacked [up | gate]
         s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
+        if _runtime.DEBUG_DEAD_ROWS:
+            s13.fill_(dead_fill)
+            s2.fill_(dead_fill)
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
                             BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, lora_cols, x.element_size()),

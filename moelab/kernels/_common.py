@@ -17,16 +17,6 @@ from moelab import _runtime
 INTERPRET = tl.constexpr(_runtime.INTERPRET)
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for launch grids, in plain Python (``triton.cdiv`` is a constexpr function: a few µs of host time
-    a call, which decode launches feel)."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1), in plain Python like :func:`cdiv`."""
-    return 1 << max(n - 1, 0).bit_length()
-
 
 @triton.jit
 def wait_for_previous_kernel(USE_GDC: tl.constexpr):

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import cdiv, next_pow2, to_output, wait_for_previous_kernel
+from moelab.kernels._common import to_output, wait_for_previous_kernel
+from moelab.permutation import cdiv, next_pow2
 
 
 @triton.jit

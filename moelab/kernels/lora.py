@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import next_pow2, shrink_step, to_output
-from moelab.permutation import Segments
+from moelab.kernels._common import shrink_step, to_output
+from moelab.permutation import Segments, next_pow2
 
 __all__ = ["lora_shrink_expand_triton"]
 

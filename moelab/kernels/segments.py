@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import cdiv, next_pow2, wait_for_previous_kernel
-from moelab.permutation import Segments, build_segments, max_live_rows
+from moelab.kernels._common import wait_for_previous_kernel
+from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, next_pow2
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
 MAX_GROUPS = 1023

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels._common import cdiv, next_pow2
+from moelab.permutation import cdiv, next_pow2
 
 
 @triton.jit
