@@ -22,7 +22,7 @@ import torch
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, (n - 1).bit_length())
+    return 1 << max(0, n - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -198,21 +198,25 @@ def test_fused_lora_when_i_spans_more_column_blocks_than_h(T, K, H, I, backend, 
     assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "LoRA part")
 
 
-def test_fused_decode_w13_shrink_over_several_programs_and_k_steps(device, monkeypatch):
+@pytest.mark.parametrize("max_rank, offset, E_local", [(16, 0, 8), (12, 3, 4)])  # (12: ranks past max_rank, EP)
+def test_fused_decode_w13_shrink_over_several_programs_and_k_steps(max_rank, offset, E_local, device, monkeypatch):
     """The decode launch's W13 shrink as real shapes run it (H = 2048: 16 programs of 2 rank columns per slot, the
-    first one zeroing the slot's W2 sums), forced at test size: 2 columns a program, K steps of 16 over H = 40. Scratch
-    buffers are NaN-poisoned (debug mode), so a value no kernel wrote cannot pass."""
+    first one zeroing the slot's W2 sums), forced at test size: 2 columns a program, K steps of 16 over H = 40; with
+    max_rank = 12 the bank's padded ranks are masked, with a window of 4 of 8 experts some slots are not local.
+    Scratch buffers are NaN-poisoned (debug mode), so a value no kernel wrote cannot pass."""
     from moelab import _runtime
     from moelab.backends import triton_backend
     monkeypatch.setattr(triton_backend, "_decode_w13_shrink_shape", lambda H, r_pad: (16, 2))
     monkeypatch.setattr(_runtime, "DEBUG_DEAD_ROWS", True)
     T, K, E, H, I, dtype = 6, 3, 8, 40, 24, torch.float32
-    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=2, ranks=(16, 5), seed=11,
-                                                          lora_ids=torch.tensor([0, 1, -1, 1, 0, 0]))
-    bank = make_bank(adapters, E, 0, H, I, 16, dtype, device)
-    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, lora=bank)
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=2, ranks=(max_rank, 5),
+                                                          seed=11, lora_ids=torch.tensor([0, 1, -1, 1, 0, 0]))
+    w13, w2 = w13[offset:offset + E_local], w2[offset:offset + E_local]
+    bank = make_bank(adapters, E_local, offset, H, I, max_rank, dtype, device)
+    assert bank.stacked_pads[1] == 16
+    experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, local_expert_offset=offset, lora=bank)
     out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
-    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank, local_expert_offset=offset)
     assert_close_to_reference(out, ref["output"], dtype, "output")
     assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "LoRA part")
 
@@ -276,7 +280,8 @@ def test_lora_experts_cuda_graph_capture_and_replay(backend):
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device)
     bank = make_bank(adapters, E, 0, H, I, 8, dtype, device)
     experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=bank)
-    experts(x, w, ids, lora_ids, has_lora=True, validate=False)  # compile the kernels outside the capture
+    # compiles the eager variants; the PDL variants (moelab._runtime.pdl_launch) compile inside the capture
+    experts(x, w, ids, lora_ids, has_lora=True, validate=False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = experts(x, w, ids, lora_ids, has_lora=True, validate=False)

@@ -290,7 +290,8 @@ def test_triton_routed_moe_cuda_graph_capture_and_replay():
     weights = moelab.prepare_weights(w13, w2, backend="triton")
     packed = moelab.pack_topk_ids_weights(ids, w)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=device)
-    moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, output=out, validate=False)  # warm-up/compile
+    # warm-up: compiles the eager variants (the PDL ones, moelab._runtime.pdl_launch, compile in the capture)
+    moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, output=out, validate=False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, output=out, validate=False)

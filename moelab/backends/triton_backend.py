@@ -107,10 +107,10 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 
 
 def _decode_w13_shrink_shape(H: int, r_pad: int) -> tuple[int, int]:
-    """(BLOCK_K, COLS) of the decode launch's W13 shrink: x and a program's A rows in one K step up to H = 4096 (on
+    """(BLOCK_K, COLS) of the decode launch's W13 shrink: x and a program's A rows in one K step up to H = 2048 (on
     the H200 that launch took 7.9 µs with 4 steps of 512, 3.7 with one: each dependent step waits on memory), at
     most 4096 elements of A a program, so a slot's 2*R_PAD rank columns spread over 2*R_PAD / COLS programs."""
-    block_k = min(next_pow2(H), 4096)
+    block_k = min(next_pow2(H), 2048)
     return block_k, max(2, min(2 * r_pad, 4096 // block_k))
 
 
