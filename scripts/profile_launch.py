@@ -29,7 +29,7 @@ from moelab.bench import SHAPES
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="128", help="comma-separated token counts")
-    p.add_argument("--modes", default="base,lora", help="comma-separated: base, lora, lora-idle")
+    p.add_argument("--modes", default="base,lora", help="comma-separated: base, lora, lora-idle, routed")
     p.add_argument("--flow", action="store_true", help="LoRAExperts(fused=False): vLLM's unfused flow")
     p.add_argument("--host", type=int, default=0, help="N calls under cProfile (0: none)")
     a = p.parse_args()

@@ -114,6 +114,13 @@ def _decode_w13_shrink_shape(H: int, r_pad: int) -> tuple[int, int]:
     return block_k, max(2, min(2 * r_pad, 4096 // block_k))
 
 
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fused-LoRA scratch buffer, NaN-poisoned in debug mode (``moelab.set_debug``) so that a read of a value no
+    kernel wrote shows up in the output."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    return buf.fill_(float("nan")) if _runtime.DEBUG_DEAD_ROWS else buf
+
+
 def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
     """BLOCK_K of the LoRA shrink kernels: 256 for decode tiles, 64 for prefill tiles (H200), smaller when a
     pipeline stage (x tile + two stacked A tiles, ``BK * (BLOCK_M + 2 * columns)`` elements) would pass 64 KB."""
@@ -172,12 +179,9 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     lora_g1, lora_g2 = (x,) * 4 + (0,) * 3 + (x,) * 3, (x,) * 3 + (0,) * 3 + (x,) * 3 + (0,)
     lora_flags1 = lora_flags2 = {}
     if decode is not None:  # one launch: segments + W13 shrink by slot; GEMM1 adds the W2 shrink to s2 by slot
-        s13 = torch.empty(T * K, 2, lora_cols, dtype=x.dtype, device=x.device)  # by slot, stacked [up | gate]
-        s2 = torch.empty(T * K, lora_cols, dtype=torch.float32, device=x.device)
+        s13 = _scratch((T * K, 2, lora_cols), x.dtype, x.device)  # by slot, stacked [up | gate]
+        s2 = _scratch((T * K, lora_cols), torch.float32, x.device)
         block_k, cols = _decode_w13_shrink_shape(H, r_pad)
-        if _runtime.DEBUG_DEAD_ROWS:  # poisoned: a read of a value no kernel wrote shows up as NaN
-            s13.fill_(dead_fill)
-            s2.fill_(dead_fill)
         _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
             *decode.args, x, bank.up_a, bank.gate_a, s13, s2, lora.lora_ids, H, K, bank.max_loras, bank.max_rank,
             x.stride(0), **decode.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
@@ -187,11 +191,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_flags1 = lora_flags2 = dict(LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
     elif lora is not None:  # two shrink launches; the GEMMs expand (moelab/kernels/moe_gemm.py, "Fused LoRA")
         tile_flags = torch.empty(live_blocks, dtype=torch.int32, device=x.device)
-        s13 = torch.empty(reach, 2, lora_cols, dtype=x.dtype, device=x.device)  # stacked [up | gate]
-        s2 = torch.empty(reach, lora_cols, dtype=x.dtype, device=x.device)
-        if _runtime.DEBUG_DEAD_ROWS:
-            s13.fill_(dead_fill)
-            s2.fill_(dead_fill)
+        s13 = _scratch((reach, 2, lora_cols), x.dtype, x.device)  # stacked [up | gate]
+        s2 = _scratch((reach, lora_cols), x.dtype, x.device)
         shrink_args = (seg.row_to_slot, seg.block_group, lora.lora_ids, expert_weights)
         shrink_flags = dict(DOT_F32=dot_f32, DOT_PRECISION=precision, L_PAD=l_pad, R_PAD=r_pad,
                             BLOCK_M=cfg.block_m, BLOCK_K=_shrink_block_k(cfg.block_m, lora_cols, x.element_size()),

@@ -17,7 +17,6 @@ from moelab import _runtime
 INTERPRET = tl.constexpr(_runtime.INTERPRET)
 
 
-
 @triton.jit
 def wait_for_previous_kernel(USE_GDC: tl.constexpr):
     """First statement of every pipeline kernel launched with programmatic dependent launch (``USE_GDC``, see
