@@ -19,3 +19,12 @@ __all__ = [
     "route", "routed_moe", "set_debug", "unpack_topk_ids_weights", "unpermute_activation",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """``moelab.distributed`` on first use: plain ``import moelab`` stays free of the multi-process machinery."""
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("moelab.distributed")
+    raise AttributeError(f"module 'moelab' has no attribute {name!r}")
