@@ -1,6 +1,8 @@
 """Sweep the triton backend's GEMM tile configs at one model shape on a GPU; print the best per T.
 
-    python scripts/tune_moe.py [--shape qwen3] [--tokens 1,32,128,1024,4096,16384]
+    python scripts/tune_moe.py [--shape qwen3-30b-a3b] [--tokens 1,32,128,1024,4096,16384]
+
+``--shape`` takes what ``python -m moelab.bench --shape`` takes (``moelab.roofline.SHAPES``, or E,K,H,I).
 
 Each candidate is checked against the torch backend before it is timed (do_bench median, 4 input sets
 rotated). The winner of each T replaces the config of its rows-per-expert bucket in
@@ -18,9 +20,9 @@ import triton
 import moelab
 from moelab.backends import triton_backend as tb
 from moelab.kernels.segments import build_segments_triton
+from moelab.lab import rel_err
 from moelab.permutation import build_segments, local_expert_of_slot
-
-SHAPES = {"qwen3": (128, 8, 2048, 768), "olmoe": (64, 8, 2048, 1024), "mixtral": (8, 2, 4096, 14336)}
+from moelab.roofline import SHAPES, get_shape
 
 
 def candidates(rows_per_expert):
@@ -53,16 +55,17 @@ def record_winner(rows_per_expert, cfg):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen3")
+    p.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {sorted(SHAPES)} or E,K,H,I")
     p.add_argument("--tokens", default="1,32,128,1024,4096,16384")
     p.add_argument("--budget-s", type=float, default=60.0, help="wall-clock budget per T")
     args = p.parse_args()
-    E, K, H, I = SHAPES[args.shape]
+    shape = get_shape(args.shape)
+    E, K, H, I = shape.E, shape.K, shape.H, shape.I
     dev = "cuda"
     w13 = (torch.randn(E, 2 * I, H, device=dev) / H**0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device=dev) / I**0.5).bfloat16()
     Wt = moelab.prepare_weights(w13, w2, backend="torch")
-    print(f"shape {args.shape} E={E} K={K} H={H} I={I} on {torch.cuda.get_device_name()}", flush=True)
+    print(f"shape {shape.name} E={E} K={K} H={H} I={I} on {torch.cuda.get_device_name()}", flush=True)
     for T in [int(t) for t in args.tokens.split(",")]:
         sets = []
         for _ in range(4):
@@ -86,7 +89,7 @@ def main():
             try:
                 out = tb._pipeline(ids, ew, x, w13, w2, E, 0, None, True, config=cfg)[0]
                 if ref is not None:
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    err = rel_err(out, ref)
                     if not err < 1e-2:
                         print(f"  T={T} {cfg} WRONG rel err {err:.2e}", flush=True)
                         continue
