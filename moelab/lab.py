@@ -69,15 +69,20 @@ def markdown_table(rows: Sequence[Mapping[str, object]], *, floatfmt: str = ".3g
 
 def source_excerpt(obj, start: str | None = None, stop: str | None = None) -> str:
     """The source of a function or ``@triton.jit`` kernel, from the first line containing ``start`` up to (not
-    including) the next line containing ``stop``. When a marker is not found the whole source is returned,
-    so a notebook keeps teaching (with more text) after the kernel is edited."""
-    lines = inspect.getsource(getattr(obj, "fn", obj)).splitlines()
+    including) the next line containing ``stop`` (None: from the top / to the end), dedented.
+
+    Raises ValueError naming the marker when ``start`` or ``stop`` is not found, so a notebook whose excerpt went
+    stale (the function was edited) fails instead of quietly showing other code.
+    """
+    fn = getattr(obj, "fn", obj)
+    lines = inspect.getsource(fn).splitlines()
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
     first = 0 if start is None else next((i for i, line in enumerate(lines) if start in line), None)
     if first is None:
-        return "\n".join(lines)
+        raise ValueError(f"start: no line of {where} contains {start!r}; update the notebook's marker")
     last = len(lines) if stop is None else next((i for i in range(first + 1, len(lines)) if stop in lines[i]), None)
     if last is None:
-        return "\n".join(lines)
+        raise ValueError(f"stop: no line of {where} after {start!r} contains {stop!r}; update the notebook's marker")
     return textwrap.dedent("\n".join(lines[first:last]))
 
 

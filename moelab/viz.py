@@ -29,8 +29,8 @@ from moelab.lab import rel_err
 from moelab.packing import unpack_topk_ids_weights
 
 __all__ = ["COLORS", "expert_color", "save_figure", "plot_packed_bits", "plot_permutation_map",
-           "plot_error_heatmap", "plot_token_errors", "plot_bytes", "plot_row_map", "plot_layout_maps",
-           "plot_block_major_k", "plot_roofline", "plot_times"]
+           "plot_error_heatmap", "plot_token_errors", "plot_partial_output", "plot_bytes", "plot_row_map",
+           "plot_layout_maps", "plot_block_major_k", "plot_roofline", "plot_times"]
 
 #: Field and half colours shared by every figure.
 COLORS = {
@@ -166,8 +166,8 @@ def plot_permutation_map(expanded_idx_to_permuted_idx, topk_ids, ax=None, *, loc
     row_expert[e2p[e2p >= 0]] = local[e2p >= 0]
     S = T * K
     n = max(S, live_end, 1)
-    fig, ax = _axes(ax, (min(14.0, 2.0 + 0.2 * n), 3.4))
-    small = 6 if n > 40 else 7
+    fig, ax = _axes(ax, (min(14.0, 2.0 + 0.24 * n), 3.6))
+    small = 7 if n > 56 else 9
     top, bottom = 3.0, 0.0
     for s in range(S):
         t, k = divmod(s, K)
@@ -175,13 +175,16 @@ def plot_permutation_map(expanded_idx_to_permuted_idx, topk_ids, ax=None, *, loc
         color = expert_color(local[s]) if is_local else COLORS["dropped"]
         ax.add_patch(Rectangle((s, top), 0.9, 0.8, facecolor=color, alpha=0.9 if is_local else 0.35,
                                hatch=None if is_local else "xxx", edgecolor="white", linewidth=0.5))
-        ax.text(s + 0.45, top + 0.95, f"e{ids[t, k]}", ha="center", va="bottom", fontsize=small, rotation=90)
+        ax.text(s + 0.45, top + 0.4, str(ids[t, k]), ha="center", va="center", fontsize=small,
+                color="white" if is_local else "black", weight="bold")
         if is_local:
             ax.plot([s + 0.45, e2p[s] + 0.45], [top, bottom + 0.8], color=color, linewidth=1.0, alpha=0.9)
         else:
             ax.text(s + 0.45, top - 0.1, "-1", ha="center", va="top", fontsize=small, color="black")
     for t in range(T + 1):
         ax.plot([t * K - 0.05] * 2, [top - 0.05, top + 0.85], color="black", linewidth=0.6)
+        if t < T:
+            ax.text(t * K + K / 2 - 0.05, top + 0.95, f"t{t}", ha="center", va="bottom", fontsize=small)
     for p in range(live_end):
         e = row_expert[p]
         face = expert_color(e) if e >= 0 else COLORS["padding"]
@@ -190,17 +193,17 @@ def plot_permutation_map(expanded_idx_to_permuted_idx, topk_ids, ax=None, *, loc
     for e in range(E_local):
         rows = np.flatnonzero(row_expert == e)
         if rows.size:
-            ax.text(rows[0], bottom - 0.1, f"expert {e + local_expert_offset}", ha="left", va="top", fontsize=8,
+            ax.text(rows[0], bottom - 0.1, f"expert {e + local_expert_offset}", ha="left", va="top", fontsize=9,
                     color=expert_color(e), weight="bold")
     if tile:
         for b in range(0, live_end + 1, tile):
             ax.plot([b - 0.05] * 2, [bottom - 0.1, bottom + 0.9], color="black", linewidth=1.0)
-            ax.text(b - 0.05, bottom - 0.55, str(b), ha="center", va="top", fontsize=small)
+            ax.text(b - 0.05, bottom - 0.6, str(b), ha="center", va="top", fontsize=small)
     note = ""
     if num_rows is not None and num_rows > live_end:
         note = f"; rows {live_end}..{num_rows - 1} of the {num_rows} allocated are dead (no slot, never read)"
-    ax.text(-0.6, top + 0.4, "slot t*K+k\n(token groups of K)", ha="right", va="center", fontsize=8)
-    ax.text(-0.6, bottom + 0.4, "permuted row", ha="right", va="center", fontsize=8)
+    ax.text(-0.6, top + 0.4, "slot t*K+k:\nits global expert", ha="right", va="center", fontsize=9)
+    ax.text(-0.6, bottom + 0.4, "permuted row", ha="right", va="center", fontsize=9)
     ax.set_xlim(-0.5, n + 0.5)
     ax.set_ylim(bottom - 1.2, top + 1.6)
     ax.axis("off")
@@ -233,7 +236,11 @@ def plot_error_heatmap(out, ref, ax=None, *, title: str | None = None, vmin: flo
     if colorbar:
         fig.colorbar(image, ax=ax, label="|out - ref| / rms(ref)")
     e = rel_err(torch.from_numpy(o), torch.from_numpy(r))
-    nan_note = f", {int(np.isnan(err).sum())} NaN" if np.isnan(err).any() else ""
+    n_nan = int(np.isnan(err).sum())
+    nan_note = f", {n_nan} NaN" if n_nan else ""
+    if n_nan:  # the colour bar has no NaN: a legend entry says what the cyan cells are
+        ax.legend(handles=[Patch(color=COLORS["nan"], label=f"NaN ({n_nan} cells)")], loc="lower right",
+                  bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, borderaxespad=0.1)
     ax.set_title(f"{title + ': ' if title else ''}rel err = {e:.1e}{nan_note}", loc="left", fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -241,13 +248,14 @@ def plot_error_heatmap(out, ref, ax=None, *, title: str | None = None, vmin: flo
 
 
 def plot_token_errors(errors, ax=None, *, groups=None, group_name: str = "adapter", tol: float | None = None,
-                      floor: float = 1e-8, title: str | None = None) -> Figure:
+                      floor: float = 1e-8, title: str | None = None, ylabel: str = "rel err of the row") -> Figure:
     """One bar per token: its relative error (log scale), coloured by group (e.g. the token's adapter).
 
     Args:
         errors: float [T], e.g. ``||out[t] - ref[t]|| / ||ref[t]||``. Zeros are drawn at ``floor`` and marked.
         groups: int [T], the group of each token; -1 (no adapter) is grey.
         tol: draws the tolerance as a dashed line.
+        ylabel: what the bars are (default: the row's relative error against a reference).
     """
     err = _numpy(errors).astype(np.float64).reshape(-1)
     T = err.size
@@ -264,7 +272,7 @@ def plot_token_errors(errors, ax=None, *, groups=None, group_name: str = "adapte
     ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("token t")
-    ax.set_ylabel("rel err of the row")
+    ax.set_ylabel(ylabel)
     handles = [Patch(color=COLORS["dropped"], label=f"no {group_name}")]
     handles += [Patch(color=expert_color(g), label=f"{group_name} {g}") for g in sorted(set(groups.tolist()))
                 if g >= 0]
@@ -272,6 +280,34 @@ def plot_token_errors(errors, ax=None, *, groups=None, group_name: str = "adapte
     ax.legend(handles=handles + extra, labels=[h.get_label() for h in handles] + extra_labels, fontsize=8,
               loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(title or "relative error per token", loc="left", fontsize=10)
+    return fig
+
+
+def plot_partial_output(partial, ax=None, *, title: str | None = None, row_label: str = "token t") -> Figure:
+    """One expert-parallel rank's partial output ``[T, H]`` as an image (diverging colours, 0 is white), every
+    all-zero row outlined and named: the tokens none of whose experts live on this rank.
+
+    Args:
+        partial: [T, H], e.g. ``LoRAExperts(..., local_expert_offset=...)(...)`` on one rank.
+    """
+    p = _numpy(partial).astype(np.float64)
+    if p.ndim != 2:
+        raise ValueError(f"partial: expected a 2-D [T, H] tensor, got shape {list(p.shape)}")
+    T, H = p.shape
+    fig, ax = _axes(ax, (7, 3.6))
+    vmax = float(np.nanmax(np.abs(p))) if p.size and np.nanmax(np.abs(p)) > 0 else 1.0
+    image = ax.imshow(p, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-vmax, vmax=vmax)
+    fig.colorbar(image, ax=ax, label="value")
+    zero_rows = np.flatnonzero(~p.any(axis=1))
+    for t in zero_rows:
+        ax.add_patch(Rectangle((-0.5, t - 0.5), H, 1, fill=False, edgecolor="black", linewidth=1.2, hatch="//"))
+        ax.text(H / 2, t, f"token {t}: all zeros", ha="center", va="center", fontsize=8,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    ax.set_xlabel("hidden column h")
+    ax.set_ylabel(row_label)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    note = f"{zero_rows.size} of {T} rows all zero"
+    ax.set_title(f"{title + ': ' if title else ''}{note}", loc="left", fontsize=10)
     return fig
 
 
@@ -375,8 +411,8 @@ def plot_times(sizes: Sequence[float], times: Mapping[str, Sequence[float]], ax=
 
 # ---------------------------------------------------------------------------------------------- FlashInfer layout
 
-def plot_row_map(row_map, ax=None, *, half: int | None = None, source_half=None, title: str | None = None,
-                 source_label: str = "source row", target_label: str = "new row") -> Figure:
+def plot_row_map(row_map, ax=None, *, half: int | None = None, source_half=None, names: Sequence[str] | None = None,
+                 title: str | None = None, source_label: str = "source row", target_label: str = "new row") -> Figure:
     """A row gather ``new[j] = old[row_map[j]]`` as wires from the source rows (top) to the new rows (bottom).
 
     Args:
@@ -384,6 +420,8 @@ def plot_row_map(row_map, ax=None, *, half: int | None = None, source_half=None,
         half: rows below it are "up", the others "gate" (colours the wires); None: one colour.
         source_half: bool [N], optional: for each *source* row, True when it holds an up row (use it when the
             source rows are themselves permuted, e.g. after the gated reorder).
+        names: optional name of each *source* row (e.g. ``"u3"``, ``"g7"``), written above it and, where it lands,
+            below the new row; legible up to N = 32 (one shuffle block).
     """
     m = _numpy(row_map).reshape(-1).astype(np.int64)
     N = m.size
@@ -391,6 +429,8 @@ def plot_row_map(row_map, ax=None, *, half: int | None = None, source_half=None,
         is_up = _numpy(source_half).reshape(-1).astype(bool)
     else:
         is_up = np.arange(N) < (half if half is not None else N)
+    if names is not None and len(names) != N:
+        raise ValueError(f"names: expected {N} names (one per source row), got {len(names)}")
     fig, ax = _axes(ax, (12, 2.4))
     for j, src in enumerate(m):
         color = COLORS["up"] if is_up[src] else COLORS["gate"]
@@ -398,10 +438,17 @@ def plot_row_map(row_map, ax=None, *, half: int | None = None, source_half=None,
     ax.scatter(np.arange(N), np.ones(N), c=[COLORS["up"] if u else COLORS["gate"] for u in is_up], s=14, zorder=3)
     ax.scatter(np.arange(N), np.zeros(N), c=[COLORS["up"] if is_up[s] else COLORS["gate"] for s in m], s=14,
                zorder=3)
-    step = 8 if N > 16 else 1
+    if names is not None:
+        size = 8 if N <= 32 else 6
+        for i in range(N):
+            ax.text(i, 1.08, names[i], ha="center", va="bottom", fontsize=size,
+                    color=COLORS["up"] if is_up[i] else COLORS["gate"])
+            ax.text(i, -0.08, names[m[i]], ha="center", va="top", fontsize=size,
+                    color=COLORS["up"] if is_up[m[i]] else COLORS["gate"])
+    step = 8 if N > 32 else (4 if N > 16 else 1)
     ax.set_xticks(np.arange(0, N, step))
     ax.set_yticks([0, 1], [target_label, source_label])
-    ax.set_ylim(-0.25, 1.25)
+    ax.set_ylim(-0.45 if names is not None else -0.25, 1.45 if names is not None else 1.25)
     ax.set_xlim(-1, N)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -417,7 +464,8 @@ def plot_layout_maps(intermediate_size: int, ax=None) -> Figure:
     """FlashInfer's GEMM1 row layout in three panels, from ``moelab.layout``: the gated reorder, the 32-row
     shuffle, and their composition :func:`moelab.layout.gemm1_row_map` (physical row -> logical row).
 
-    Every one of the 2I rows is drawn: pass a small I (16 or 32; the pattern repeats every 32 rows).
+    Every one of the 2I rows is drawn and named (``u3`` = up row 3, ``g3`` = gate row 3): I = 16 draws exactly
+    one 32-row shuffle block, which is the whole pattern (every block is shuffled alike).
 
     Args:
         intermediate_size: I, a multiple of 16 (2I must be a multiple of the 32-row shuffle block).
@@ -425,20 +473,24 @@ def plot_layout_maps(intermediate_size: int, ax=None) -> Figure:
     """
     I = intermediate_size
     if ax is None:
-        fig, axes = plt.subplots(3, 1, figsize=(12, 7.2), layout="constrained")
+        fig, axes = plt.subplots(3, 1, figsize=(12, 8.4), layout="constrained")
     else:
         axes = list(ax)
         if len(axes) != 3:
             raise ValueError(f"ax: expected three Axes (reorder, shuffle, combined), got {len(axes)}")
         fig = axes[0].get_figure(root=True)
     logical_is_up = torch.arange(2 * I) < I
+    logical_names = [f"u{i}" for i in range(I)] + [f"g{i}" for i in range(I)]
     reorder = layout.gated_reorder_rows(I)
-    plot_row_map(reorder, axes[0], source_half=logical_is_up, source_label="[up; gate]", target_label="reordered",
+    reordered_names = [logical_names[r] for r in reorder.tolist()]
+    plot_row_map(reorder, axes[0], source_half=logical_is_up, names=logical_names, source_label="[up; gate]",
+                 target_label="reordered",
                  title="1. gated reorder: new row 2i = up_i, 2i+1 = gate_i  (source: [up; gate])")
-    plot_row_map(layout.shuffle_rows(2 * I), axes[1], source_half=logical_is_up[reorder], source_label="reordered",
-                 target_label="shuffled", title="2. shuffle inside 32-row blocks: new row j = old row 4*(j%8) + j//8")
-    plot_row_map(layout.gemm1_row_map(I), axes[2], source_half=logical_is_up, source_label="[up; gate]",
-                 target_label="physical",
+    plot_row_map(layout.shuffle_rows(2 * I), axes[1], source_half=logical_is_up[reorder], names=reordered_names,
+                 source_label="reordered", target_label="shuffled",
+                 title="2. shuffle inside 32-row blocks: new row j = old row 4*(j%8) + j//8")
+    plot_row_map(layout.gemm1_row_map(I), axes[2], source_half=logical_is_up, names=logical_names,
+                 source_label="[up; gate]", target_label="physical",
                  title="1+2 = gemm1_row_map: physical row n holds logical row q//2 + (q%2)*I, "
                        "q = 32*(n//32) + 4*(n%8) + (n%32)//8")
     return fig

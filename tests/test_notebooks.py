@@ -117,3 +117,14 @@ def test_lab_goes_on_and_names_the_failing_notebook(tmp_path, capsys):
     assert "[2/2] 02-runs.ipynb" in out and out.count(" ok") == 1
     assert "01-fails.ipynb" in err and "02-runs" not in err
     assert (tmp_path / "out" / "02-runs.ipynb").exists()
+
+
+def test_source_excerpt_raises_on_a_stale_marker():
+    from moelab import lab
+
+    text = lab.source_excerpt(lab.rel_err, start="out64, ref64 =", stop="if torch.isnan")
+    assert text.startswith("out64, ref64 =") and "isnan" not in text
+    with pytest.raises(ValueError, match="start: no line of moelab.lab.rel_err contains 'no such line'"):
+        lab.source_excerpt(lab.rel_err, start="no such line")
+    with pytest.raises(ValueError, match="stop: .* contains 'no such line'"):
+        lab.source_excerpt(lab.rel_err, start="out64", stop="no such line")

@@ -46,6 +46,8 @@ PLOTS = {
     "plot_times": lambda ax: viz.plot_times([1, 2, 4], {"x": [1e-3, 2e-3, float("nan")]}, ax, floor=[1e-4] * 3),
     "plot_row_map": lambda ax: viz.plot_row_map(moelab.layout.gemm1_row_map(16), ax, half=16),
     "plot_block_major_k": lambda ax: viz.plot_block_major_k(8, 128, ax),
+    "plot_partial_output": lambda ax: viz.plot_partial_output(torch.randn(4, 8) * torch.tensor([1, 0, 1, 0])[:, None],
+                                                              ax),
 }
 
 
@@ -96,6 +98,45 @@ def test_heatmap_marks_nan_and_infinite_error():
     fig = viz.plot_error_heatmap(out, ref)
     try:
         assert "rel err = inf, 1 NaN" in fig.axes[0].get_title(loc="left")
+        legend = fig.axes[0].get_legend()  # the colour bar has no NaN: the legend names the cyan cells
+        assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["NaN (1 cells)"]
+    finally:
+        plt.close(fig)
+    fig = viz.plot_error_heatmap(ref, ref)
+    try:
+        assert fig.axes[0].get_legend() is None
+    finally:
+        plt.close(fig)
+
+
+def test_token_errors_axis_says_what_is_plotted():
+    fig = viz.plot_token_errors(torch.tensor([0.0, 1.0]), ylabel="||out - base|| / ||base||")
+    try:
+        assert fig.axes[0].get_ylabel() == "||out - base|| / ||base||"
+    finally:
+        plt.close(fig)
+
+
+def test_layout_maps_name_every_row():
+    fig = viz.plot_layout_maps(16)
+    try:
+        texts = [t.get_text() for t in fig.axes[2].texts]
+        # top: the logical rows in order; bottom: what each physical row holds (gemm1_row_map)
+        logical = [f"u{i}" for i in range(16)] + [f"g{i}" for i in range(16)]
+        physical = [logical[r] for r in moelab.layout.gemm1_row_map(16).tolist()]
+        assert texts[0::2] == logical and texts[1::2] == physical
+    finally:
+        plt.close(fig)
+
+
+def test_partial_output_names_its_zero_rows():
+    partial = torch.randn(5, 8)
+    partial[[1, 3]] = 0
+    fig = viz.plot_partial_output(partial)
+    try:
+        ax = fig.axes[0]
+        assert "2 of 5 rows all zero" in ax.get_title(loc="left")
+        assert [t.get_text() for t in ax.texts] == ["token 1: all zeros", "token 3: all zeros"]
     finally:
         plt.close(fig)
 
