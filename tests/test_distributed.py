@@ -18,6 +18,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import moelab
+import moelab.distributed
+from moelab import reference
 from moelab.distributed import (
     ExpertParallelMetadata,
     check_expert_map,
@@ -165,3 +168,246 @@ def test_import_moelab_does_not_import_distributed():
 
     code = "import sys, moelab; assert 'moelab.distributed' not in sys.modules; moelab.distributed.ExpertParallelMoE"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------- ExpertParallelMoE
+
+E, K, H, I, L, RANK = 8, 2, 32, 16, 2, 4  # tiny: the torch backend on 2 shared cores
+MODES = moelab.distributed.DISPATCH_MODES
+
+
+def _model(seed=0):
+    """Global fp32 experts and a 2-slot bank over all E experts (slot 0 rank 4, slot 1 rank 2), the same on
+    every rank (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    bank = moelab.LoRABank(L, E, H, I, RANK, dtype=torch.float32)
+    for slot, r in enumerate([RANK, 2]):
+        f = {n: torch.randn(E, *shape, generator=g) for n, shape in
+             [("gate_a", (r, H)), ("gate_b", (I, r)), ("up_a", (r, H)), ("up_b", (I, r)), ("down_a", (r, I)),
+              ("down_b", (H, r))]}
+        bank.set(slot, **f, scaling=0.3 / r)
+    return w13, w2, bank
+
+
+def _layer(w13, w2, bank, logical, **kwargs):
+    """An ExpertParallelMoE over this rank's physical experts, holding ``logical`` (int [P_local])."""
+    from moelab.distributed import ExpertParallelMoE
+
+    w13_local, w2_local, local_bank = _local(w13, w2, bank, logical)
+    return ExpertParallelMoE(w13_local, w2_local, lora=local_bank, num_experts=E, top_k=K, backend="torch", **kwargs)
+
+
+def _local(w13, w2, bank, logical):
+    """The rows of the physical experts holding ``logical`` (int [P_local]), bank slices included."""
+    local_bank = None
+    if bank is not None:
+        local_bank = moelab.LoRABank(L, len(logical), H, I, RANK, dtype=bank.dtype)
+        for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
+            getattr(local_bank, name).copy_(getattr(bank, name)[:, logical])
+        local_bank.ranks = list(bank.ranks)
+    return w13[logical], w2[logical], local_bank
+
+
+def _tokens(counts, seed, *, skew=None, own_experts_on=None, P_local=None):
+    """Every rank's tokens (global batch, the same on every rank): x [T, H], weights [T, K], logical ids [T, K],
+    adapter ids [T] (-1 = none). ``skew`` [E]: routing probabilities; ``own_experts_on``: a rank whose tokens
+    route only to experts it holds (it sends nothing to the others)."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(counts)
+    probs = torch.ones(E) if skew is None else torch.as_tensor(skew, dtype=torch.float64)
+    ids = torch.stack([torch.multinomial(probs, K, generator=g) for _ in range(T)]) if T else torch.zeros(0, K)
+    ids = ids.long()
+    if own_experts_on is not None:
+        start = sum(counts[:own_experts_on])
+        for t in range(start, start + counts[own_experts_on]):
+            ids[t] = own_experts_on * P_local + torch.randperm(P_local, generator=g)[:K]
+    x = torch.randn(T, H, generator=g)
+    weights = torch.rand(T, K, generator=g)
+    lora_ids = torch.randint(-1, L, (T,), generator=g)
+    lora_ids[::3] = -1  # a third of the tokens without an adapter, whatever the draw
+    return x, weights, ids, lora_ids
+
+
+def _mine(rank, counts, *tensors):
+    start = sum(counts[:rank])
+    return [t[start:start + counts[rank]] for t in tensors]
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _expect_error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _rank_checks(rank, R):
+    """Every multi-process check on one group; returns what each measured (asserted in the parent)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(rank)  # nothing below may depend on it: the batch is seeded, the same on every rank
+    w13, w2, bank = _model()
+    P_local = E // R
+    block = torch.arange(rank * P_local, (rank + 1) * P_local)
+    single = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch")
+    single_base = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="torch")
+    results = {}
+    # uneven T with a rank of T = 0; a rank whose tokens all stay home (sends nothing to others)
+    cases = {"uneven": ([5, 0, 7, 3][:R] if R == 4 else [9, 0], {}),
+             "stays_home": ([4, 6, 3, 5][:R], dict(own_experts_on=0, P_local=P_local))}
+    for mode in MODES:
+        layer = _layer(w13, w2, bank, block, dispatch=mode)
+        base_layer = _layer(w13, w2, None, block, dispatch=mode)
+        for name, (counts, kw) in cases.items():
+            x, w, ids, lora_ids = _tokens(counts, seed=1, **kw)
+            want = single(x, w, ids, lora_ids)
+            mx, mw, mids, mlora = _mine(rank, counts, x, w, ids, lora_ids)
+            out = layer(mx, mw, mids, mlora)
+            out_base = base_layer(mx, mw, mids, None)
+            # the adapter tokens change adapter (0 <-> 1): a token without one must not move by a bit
+            swapped = layer(mx, mw, mids, torch.where(mlora >= 0, 1 - mlora, mlora))
+            ref = reference.lora_experts(mx, mw, mids, mlora, w13, w2, bank)["output"]
+            no_adapter = mlora < 0
+            one_rank = (mids // P_local == mids[:, :1] // P_local).all(1)
+            mine_want, = _mine(rank, counts, want)
+            mine_base, = _mine(rank, counts, single_base(x, w, ids, None))
+            results[(mode, name)] = dict(
+                shape=tuple(out.shape), T=counts[rank], rel_single=_rel(out, mine_want), rel_ref=_rel(out, ref),
+                rel_base=_rel(out_base, reference.lora_experts(mx, mw, mids, None, w13, w2, None)["output"]),
+                no_adapter=int(no_adapter.sum()),
+                adapter_bitwise=torch.equal(out[no_adapter], swapped[no_adapter]),
+                adapter_moved=bool((out[~no_adapter] != swapped[~no_adapter]).any(1).all()),
+                one_rank=int(one_rank.sum()),
+                single_bitwise=torch.equal(out[one_rank], mine_want[one_rank]),
+                base_single_bitwise=torch.equal(out_base, mine_base),
+                sent_home_only=bool((mids // P_local == rank).all()))
+        # T = 0 on every rank
+        empty = layer(torch.zeros(0, H), torch.zeros(0, K), torch.zeros(0, K, dtype=torch.long),
+                      torch.zeros(0, dtype=torch.long))
+        results[(mode, "all_empty")] = tuple(empty.shape)
+        # bad input on rank R-1 only: every rank raises, and the group still works afterwards
+        x, w, ids, lora_ids = _tokens([3] * R, seed=2)
+        mx, mw, mids, mlora = _mine(rank, [3] * R, x, w, ids, lora_ids)
+        bad_ids = mids.clone()
+        if rank == R - 1:
+            bad_ids[0, 0] = E
+        results[(mode, "bad_input")] = _expect_error(lambda f=layer, a=(mx, mw, bad_ids, mlora): f(*a))
+        results[(mode, "after_bad_input")] = _rel(layer(mx, mw, mids, mlora), _mine(rank, [3] * R,
+                                                                                    single(x, w, ids, lora_ids))[0])
+        # EPLB under skewed routing: one redundant copy per rank, measured load before and after rebalancing
+        P = E + R
+        start_map = moelab.distributed.default_expert_map(E, P)
+        mine_map = start_map[rank * (P_local + 1):(rank + 1) * (P_local + 1)]
+        eplb_layer = _layer(w13, w2, bank, mine_map, dispatch=mode, expert_map=start_map)
+        counts = [40 + 3 * r for r in range(R)]
+        x, w, ids, lora_ids = _tokens(counts, seed=3, skew=[30, 12, 1, 1, 1, 1, 1, 1])
+        mx, mw, mids, mlora = _mine(rank, counts, x, w, ids, lora_ids)
+        before = eplb_layer(mx, mw, mids, mlora)
+        load_before = _rank_loads(eplb_layer, R)
+        logical_load = torch.bincount(ids.flatten(), minlength=E)
+        p2l, _, replica_count = rebalance_experts(logical_load[None], P, 1, 1, R)
+        eplb_layer.rebalance(p2l[0])
+        after = eplb_layer(mx, mw, mids, mlora)
+        load_after = _rank_loads(eplb_layer, R)
+        mine_want, = _mine(rank, counts, single(x, w, ids, lora_ids))
+        per_copy = logical_load.double() / replica_count[0].double()
+        results[(mode, "eplb")] = dict(
+            rel_before=_rel(before, mine_want), rel_after=_rel(after, mine_want), rel_move=_rel(after, before),
+            load_before=load_before, load_after=load_after, max_per_copy=per_copy.max().item(),
+            predicted=per_copy[p2l[0]].view(R, -1).sum(1).tolist(), map=eplb_layer.expert_map.tolist(),
+            P_local=eplb_layer.num_local_physical_experts)
+    # bad maps: every rank raises a clear error (no collective hangs)
+    no_copy = torch.arange(E).clone()
+    no_copy[3] = 2  # logical expert 3 has no physical copy
+    results["map_no_copy"] = _expect_error(lambda: _layer(w13, w2, None, block, expert_map=no_copy))
+    too_long = torch.arange(E + P_local) % E  # physical experts on rank R: out of range
+    results["map_rank_out_of_range"] = _expect_error(lambda: _layer(w13, w2, None, block, expert_map=too_long))
+    differs = torch.arange(E).flip(0) if rank == 0 else torch.arange(E)  # valid, but not the same on every rank
+    results["map_differs"] = _expect_error(
+        lambda: _layer(w13, w2, None, differs[rank * P_local:(rank + 1) * P_local], expert_map=differs))
+    dist.barrier()
+    return results
+
+
+def _rank_loads(layer, R):
+    import torch.distributed as dist
+
+    mine = layer.physical_load.sum().reshape(1)
+    every = [torch.zeros_like(mine) for _ in range(R)]
+    dist.all_gather(every, mine)
+    return [int(v) for v in every]
+
+
+def _check_results(results, R):
+    for mode in MODES:
+        for name in ("uneven", "stays_home"):
+            for rank, res in enumerate(results):
+                r = res[(mode, name)]
+                where = f"{mode}, {name}, rank {rank} (T={r['T']})"
+                assert r["shape"] == (r["T"], H), f"{where}: output shape {r['shape']}"
+                assert r["rel_single"] <= 1e-5, f"{where}: rel err {r['rel_single']:.2e} vs one process"
+                assert r["rel_ref"] <= 1e-5, f"{where}: rel err {r['rel_ref']:.2e} vs the float64 reference"
+                assert r["rel_base"] <= 1e-5, f"{where}: no-LoRA layer rel err {r['rel_base']:.2e} vs the reference"
+                assert r["adapter_bitwise"], f"{where}: a token without an adapter moved when others changed adapter"
+                assert r["adapter_moved"] or r["T"] == 0, f"{where}: swapping adapters changed nothing (test is void)"
+                assert r["single_bitwise"], f"{where}: a token with all experts on one rank differs from one process"
+            if name == "uneven":
+                assert any(res[(mode, name)]["T"] == 0 for res in results), "no rank with T = 0 in the uneven case"
+                assert sum(res[(mode, name)]["no_adapter"] for res in results) > 0, "no token without an adapter"
+            else:
+                assert results[0][(mode, name)]["sent_home_only"], "rank 0's tokens were meant to stay home"
+        for rank, res in enumerate(results):
+            assert res[(mode, "all_empty")] == (0, H), f"{mode}: T = 0 everywhere gave {res[(mode, 'all_empty')]}"
+            err = res[(mode, "bad_input")]
+            assert err is not None, f"{mode}: rank {rank} did not raise when rank {R - 1} passed a bad expert id"
+            want = "topk_ids: expected logical expert ids" if rank == R - 1 else f"rank(s) [{R - 1}] rejected"
+            assert want in err, f"{mode}: rank {rank} raised {err!r}, expected {want!r}"
+            assert res[(mode, "after_bad_input")] <= 1e-5, f"{mode}: the call after a rejected one is wrong"
+        eplb = [res[(mode, "eplb")] for res in results]
+        for rank, r in enumerate(eplb):
+            for key in ("rel_before", "rel_after", "rel_move"):
+                assert r[key] <= 1e-5, f"{mode}, EPLB, rank {rank}: {key} = {r[key]:.2e}"
+        before, after = eplb[0]["load_before"], eplb[0]["load_after"]
+        assert sum(before) == sum(after), f"{mode}: slots lost in rebalancing: {before} vs {after}"
+        mean = sum(after) / R
+        # the algorithm's promise on the predicted loads, plus the round-robin split's rounding: each rank's slots
+        # of an expert split over its copies within one slot, so a GPU's measured load is off by < R * P_local
+        promise = mean + (1 - 1 / R) * eplb[0]["max_per_copy"] + R * eplb[0]["P_local"]
+        assert max(after) <= promise, f"{mode}: loads after EPLB {after}, promised max {promise:.1f}"
+        assert max(eplb[0]["predicted"]) <= mean + (1 - 1 / R) * eplb[0]["max_per_copy"] + 1e-9
+        assert max(after) / mean < max(before) / (sum(before) / R), f"{mode}: EPLB did not help: {before} -> {after}"
+    for rank, res in enumerate(results):
+        for key, want in (("map_no_copy", "have none"), ("map_rank_out_of_range", f"in a group of {R}"),
+                          ("map_differs", "rank")):
+            assert res[key] is not None, f"rank {rank}: no error for {key}"
+            assert want in res[key], f"rank {rank}, {key}: {res[key]!r} does not say {want!r}"
+        assert ("same expert_map" in res["map_differs"]) or ("rejected" in res["map_differs"]), res["map_differs"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_on_gloo(world_size):
+    # TRITON_INTERPRET=0: the ranks' torch backend runs in plain torch; in Triton's interpreter its LoRA grouping
+    # alone takes ~2 s a call on 2 cores (the kernels have their own tests; here the dispatch is under test).
+    results = moelab.distributed.spawn_ranks(_rank_checks, world_size, timeout=60, env={"TRITON_INTERPRET": "0"})
+    _check_results(results, world_size)
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_distributed.py
+    import torch.distributed as dist
+
+    rank, world_size = moelab.distributed.init_from_env()
+    mine = _rank_checks(rank, world_size)
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        _check_results(every, world_size)
+        print(f"test_distributed: all checks passed on {world_size} ranks")
+    dist.destroy_process_group()

@@ -238,7 +238,7 @@ class ExpertParallelMoE(nn.Module):
         send_counts = torch.bincount(dest_rank[outgoing], minlength=R).tolist()
         recv_counts = torch.bincount(source_rank[incoming], minlength=R).tolist()
         views = self._expert_major()
-        rows = torch.cat([v[source[outgoing] % P_local].reshape(len(outgoing), -1) for v in views], dim=1)
+        rows = torch.cat([v[source[outgoing] % P_local].reshape(len(outgoing), v[0].numel()) for v in views], dim=1)
         received = rows.new_empty(len(incoming), rows.shape[1])
         dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=self.group)
         new_views, offset = [], 0

@@ -43,24 +43,35 @@ def _rank_main(rank, fn, world_size, port, backend, timeout, out_dir, args):
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn, world_size: int, *args, device: str = "cpu", timeout: float = 60.0) -> list:
+def spawn_ranks(fn, world_size: int, *args, device: str = "cpu", timeout: float = 60.0,
+                env: dict[str, str] | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes in one process group; return each
     rank's return value (saved with ``torch.save``), in rank order.
 
     ``fn`` must be importable by name (a module-level function: the processes are spawned). ``device`` "cpu"
     joins them with gloo, "cuda" with NCCL (rank r on GPU r). ``timeout`` (seconds) bounds every collective and,
     twice over, the whole run: ranks still alive then are terminated and a TimeoutError is raised. An exception
-    in any rank is raised here with that rank's traceback.
+    in any rank is raised here with that rank's traceback. ``env``: environment variables the new processes
+    start with (e.g. ``{"TRITON_INTERPRET": "0"}``: moelab's torch backend in plain torch on a CPU).
 
     Example:
         >>> from moelab.distributed.demo import world_of  # doctest: +SKIP
         >>> spawn_ranks(world_of, 2)  # doctest: +SKIP
         [(0, 2), (1, 2)]
     """
+    saved = {name: os.environ.get(name) for name in env or {}}
     with tempfile.TemporaryDirectory(prefix="moelab-ranks-") as out_dir:
-        context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), _backend_for(device), timeout,
-                                                       out_dir, args),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        try:
+            os.environ.update(env or {})  # spawned processes start with a copy of this environment
+            context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), _backend_for(device),
+                                                           timeout, out_dir, args),
+                                         nprocs=world_size, join=False, start_method="spawn")
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = value
         deadline = time.monotonic() + 2 * timeout + 30  # + start-up: importing torch in each process
         try:
             while not context.join(timeout=1):
