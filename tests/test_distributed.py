@@ -333,6 +333,12 @@ def _rank_checks(rank, R):
     differs = torch.arange(E).flip(0) if rank == 0 else torch.arange(E)  # valid, but not the same on every rank
     results["map_differs"] = _expect_error(
         lambda: _layer(w13, w2, None, differs[rank * P_local:(rank + 1) * P_local], expert_map=differs))
+    if R == 2:  # the benchmark's tiny run, in this group (its 1-rank numbers from a sub-group of rank 0)
+        from moelab.distributed import bench
+
+        config = dict(bench.TINY, tokens=[6], dtype="float32", backend="torch", device="cpu", modes=list(MODES),
+                      iters=1, warmup=0, skew=1.0, redundant=1)
+        results["bench"] = bench.run_rank(rank, R, config)
     dist.barrier()
     return results
 
@@ -392,12 +398,33 @@ def _check_results(results, R):
         assert ("same expert_map" in res["map_differs"]) or ("rejected" in res["map_differs"]), res["map_differs"]
 
 
+def _check_bench(rows):
+    assert len(rows) == 4, f"expected 1 and 2 ranks x 2 modes, got {rows}"
+    for row in rows:
+        assert row["ms"] > 0 and row["tokens_per_s"] > 0 and row["experts_ms"] > 0, row
+        if row["gpus"] == 2:
+            assert row["comm_ms"] > 0 and 1 <= row["imbalance_eplb"] and 1 <= row["imbalance"], row
+    from moelab.distributed.bench import _table
+
+    assert "| gpus | mode |" in _table(rows)
+
+
+def test_bench_needs_gpus_or_tiny(capsys):
+    from moelab.distributed import bench
+
+    if torch.cuda.device_count() < 64:
+        assert bench.main(["--gpus", "64"]) == 2
+        assert "use --tiny" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_on_gloo(world_size):
     # TRITON_INTERPRET=0: the ranks' torch backend runs in plain torch; in Triton's interpreter its LoRA grouping
     # alone takes ~2 s a call on 2 cores (the kernels have their own tests; here the dispatch is under test).
     results = moelab.distributed.spawn_ranks(_rank_checks, world_size, timeout=60, env={"TRITON_INTERPRET": "0"})
     _check_results(results, world_size)
+    if world_size == 2:
+        _check_bench(results[0]["bench"])
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_distributed.py

@@ -36,6 +36,8 @@ Not CUDA-graph capturable: every call exchanges its split sizes through the host
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -116,6 +118,10 @@ class ExpertParallelMoE(nn.Module):
             error = err
         self._agree_or_raise(error, w13, w2, num_experts, top_k, lora, dispatch, expert_map)
         self.reset_load()
+        #: None, or a dict the forward adds seconds per phase to: "route", "exchange" (the header all_gather),
+        #: "dispatch", "experts", "combine" (communication: exchange + dispatch + the combine's collective).
+        self.timings: dict[str, float] | None = None
+        self._last_mark = 0.0
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -262,6 +268,18 @@ class ExpertParallelMoE(nn.Module):
         self._set_experts(w13, w2, lora, self.experts.backend)
         self.reset_load()
 
+    def _mark(self, phase: str | None) -> None:
+        """With ``timings`` on (a dict), add the seconds since the last mark to ``timings[phase]`` (the device is
+        synchronised first, so phases do not overlap: for measuring, not for serving)."""
+        if self.timings is None:
+            return
+        if self.w13.device.type == "cuda":
+            torch.cuda.synchronize(self.w13.device)
+        now = time.perf_counter()
+        if phase is not None:
+            self.timings[phase] = self.timings.get(phase, 0.0) + now - self._last_mark
+        self._last_mark = now
+
     def _expert_major(self) -> list[torch.Tensor]:
         """Everything a local expert owns, indexed by local expert in dim 0: w13 [P_local, 2I, H], w2, then the
         bank's six tensors as [P_local, L, ...] (copies)."""
@@ -330,6 +348,7 @@ class ExpertParallelMoE(nn.Module):
                 lora_ids: torch.Tensor | None = None, *, validate: bool = True) -> torch.Tensor:
         R, device = self.world_size, self.w13.device
         error, physical, token_ranks = None, None, None
+        self._mark(None)
         try:
             self._check_call(hidden_states, topk_weights, topk_ids, lora_ids, validate)
             physical = self.physical_ids(topk_ids)
@@ -342,8 +361,10 @@ class ExpertParallelMoE(nn.Module):
         header = torch.cat([torch.tensor([T, int(error is not None), int(lora_ids is not None)], device=device),
                             send_counts.to(torch.int64)])
         every = torch.empty(R * header.numel(), dtype=torch.int64, device=device)
+        self._mark("route")
         _all_gather(every, header, self.group)
         every = every.view(R, -1).cpu()
+        self._mark("exchange")
         if error is not None:
             raise type(error)(f"{error} (rank {self.rank}; every rank of the group raised)") from error
         failed = every[:, 1].nonzero().flatten().tolist()
@@ -376,15 +397,20 @@ class ExpertParallelMoE(nn.Module):
         received = [t.new_empty(sum(recv_counts), *t.shape[1:]) for t in sends]
         for out, inp in zip(received, sends):
             dist.all_to_all_single(out, inp.contiguous(), recv_counts, send_counts, group=self.group)
+        self._mark("dispatch")
         partial = self._local_experts(*received, with_lora)
+        self._mark("experts")
         back = partial.new_empty(len(token), x.shape[1])
         dist.all_to_all_single(back, partial.contiguous(), send_counts, recv_counts, group=self.group)
+        self._mark("combine")
         total = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         start = 0
         for n in send_counts:  # rank by rank: no token twice in one index_add_, so the order is fixed
             total.index_add_(0, token[start:start + n], back[start:start + n].float())
             start += n
-        return total.to(x.dtype)
+        total = total.to(x.dtype)
+        self._mark("experts")  # the owner's sum of the partials is compute
+        return total
 
     def _allgather_reducescatter(self, x, weights, routing, token_counts, with_lora):
         R, T, T_max = self.world_size, x.shape[0], int(token_counts.max())
@@ -401,8 +427,11 @@ class ExpertParallelMoE(nn.Module):
         real = torch.cat([torch.arange(r * T_max, r * T_max + int(n)) for r, n in enumerate(token_counts)])
         real = real.to(x.device)
         gathered = [gather(t)[real] for t in (x, weights, routing)]
+        self._mark("dispatch")
         partial = x.new_zeros(R * T_max, x.shape[1])
         partial[real] = self._local_experts(*gathered, with_lora)
+        self._mark("experts")
         out = x.new_empty(T_max, x.shape[1])
         _reduce_scatter(out, partial, self.group)
+        self._mark("combine")
         return out[:T]
