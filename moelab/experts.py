@@ -1,4 +1,8 @@
-"""``LoRAExperts``: vLLM's ``TrtLlmBf16LoRAExperts.apply`` flow as an ``nn.Module`` on every backend (SPEC §5).
+"""``LoRAExperts``: vLLM's ``TrtLlmBf16LoRAExperts.apply`` flow as an ``nn.Module`` on every backend.
+
+The module validates a call and hands it to its backend's ``lora_experts`` as a
+:class:`moelab.contract.LoRAExpertsCall`; every backend can run vLLM's unfused flow
+(:mod:`moelab.backends.lora_flow`):
 
     pack routing -> [fast path: no token has an adapter -> finalized base MoE straight into ``output``]
     W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
@@ -24,23 +28,15 @@ column blocks with fp32 atomics, so a token *with* an adapter may differ in its 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from moelab._checks import INT_DTYPES, check_same_device, check_tensor
-from moelab.lora import (
-    MAX_FUSED_LORA_COLUMNS,
-    LoRABank,
-    check_lora_routing,
-    lora_segments,
-    w2_lora_delta,
-    w13_lora_delta,
-)
-from moelab.moe import prepare_weights, routed_moe, validate_call
-from moelab.ops import finalize_with_w2_lora, unpermute_activation
-from moelab.packing import check_routing, pack_topk_ids_weights
+from moelab.backends import get_backend
+from moelab.contract import LoRAExpertsCall
+from moelab.lora import LoRABank, check_lora_routing
+from moelab.moe import prepare_weights, validate_call
+from moelab.packing import check_routing
 
 __all__ = ["LoRAExperts"]
 
@@ -54,9 +50,10 @@ class LoRAExperts(nn.Module):
         num_experts: global E; top_k: K; local_expert_offset: this rank's first expert (expert parallel).
         lora: a :class:`moelab.LoRABank` over the same local experts, or None (base MoE only).
         backend: "auto", "flashinfer", "triton" or "torch".
-        fused: fold the LoRA into the triton backend's GEMMs (see above). None: yes on the triton backend when
-            the bank is at most ``moelab.lora.MAX_FUSED_LORA_COLUMNS`` wide (L and max_rank padded to powers of two,
-            multiplied); True is only valid there; False: vLLM's unfused flow.
+        fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can
+            (the triton backend, for a bank of at most ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``
+            stacked columns: L and max_rank padded to powers of two, multiplied); True: raise where it cannot;
+            False: vLLM's unfused flow.
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
     -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
@@ -92,8 +89,6 @@ class LoRAExperts(nn.Module):
             if lora.dtype != self.weights.dtype:
                 raise TypeError(f"lora: expected the weights' dtype {self.weights.dtype}, got {lora.dtype}")
         self.lora = lora
-        # Our own Triton ops serve every backend but "torch" (flashinfer runs on a GPU, where Triton runs too).
-        self._use_triton = self.weights.backend != "torch"
         self.fused = self._check_fused(fused)
 
     def _check_fused(self, fused: bool | None) -> bool:
@@ -101,14 +96,11 @@ class LoRAExperts(nn.Module):
             raise TypeError(f"fused: expected True, False or None, got {type(fused).__name__}")
         if self.lora is None or fused is False:
             return False
-        columns = math.prod(self.lora.stacked_pads)
-        fits = self.backend == "triton" and columns <= MAX_FUSED_LORA_COLUMNS
-        if fused and not fits:
-            what = f"{columns} stacked columns" if self.backend == "triton" else f"backend {self.backend!r}"
-            raise ValueError(f"fused: the fused LoRA path needs the triton backend and a bank of at most "
-                             f"{MAX_FUSED_LORA_COLUMNS} stacked columns (max_loras and max_rank padded to powers of "
-                             f"two, multiplied); got {what}; pass fused=False")
-        return fits
+        reason = get_backend(self.backend).fused_lora_reason(self.lora)
+        if fused and reason is not None:
+            raise ValueError(f"fused: backend {self.backend!r} cannot fold this bank into its kernels: {reason}; "
+                             f"pass fused=False")
+        return reason is None
 
     @property
     def backend(self) -> str:
@@ -124,50 +116,16 @@ class LoRAExperts(nn.Module):
             if has_lora is None and lora_ids.device.type == "cpu":
                 has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
         with_lora = self.lora is not None and lora_ids is not None and has_lora is not False
-        packing = dict(num_experts=self.num_experts, validate=validate)
-        # On the triton backend the base path and the fused path read ids and weights as they are (no packing
-        # launches, ~7 µs of a 46 µs decode layer in a CUDA graph on the H200); they check what packing checks.
-        # Under torch.compile the base path stays routed_moe (one registered custom op).
-        if self.backend == "triton" and (self.fused if with_lora else not torch.compiler.is_compiling()):
-            check_routing(topk_ids, topk_weights, **packing)
-            if with_lora:
-                lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
-            return self._forward_triton(hidden_states, topk_weights, topk_ids, lora_ids if with_lora else None,
-                                        output, validate)
-        packed = pack_topk_ids_weights(topk_ids, topk_weights, **packing)
-        moe_args = dict(num_experts=self.num_experts, top_k=self.top_k,
-                        local_expert_offset=self.local_expert_offset, validate=validate)
-        if not with_lora:
-            routed_moe(packed, hidden_states, self.weights, output=output, **moe_args)
-            return output
-        lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
-        lora_args = dict(local_expert_offset=self.local_expert_offset, use_triton=self._use_triton)
-        segments = lora_segments(topk_ids, lora_ids, self.lora, local_expert_offset=self.local_expert_offset)
-        delta = w13_lora_delta(hidden_states, topk_ids, lora_ids, self.lora, validate=validate, segments=segments,
-                               **lora_args)
-        gemm2, expert_weights, e2p, act_permuted = routed_moe(packed, hidden_states, self.weights,
-                                                              gemm1_lora_delta=delta, do_finalize=False, **moe_args)
-        act = unpermute_activation(act_permuted, e2p, T, self.top_k, validate=False, use_triton=self._use_triton)
-        w2_delta = w2_lora_delta(act, topk_ids, topk_weights, lora_ids, self.lora, validate=False, segments=segments,
-                                 **lora_args)
-        # validate=False: the map comes from routed_moe itself, in range by construction (and no host sync).
-        return finalize_with_w2_lora(output, gemm2, expert_weights, e2p, w2_delta, validate=False,
-                                     use_triton=self._use_triton)
-
-    def _forward_triton(self, hidden_states, topk_weights, topk_ids, lora_ids, output, validate):
-        """The triton backend's own pipeline: the base MoE (``lora_ids`` None) or the fused LoRA path."""
-        from moelab.backends import triton_backend
-
-        # The checks routed_moe (and on the fused path the two deltas) make; the ids were checked by check_routing.
+        # The checks routed_moe and the deltas make, once, before any launch (the backend trusts its call).
+        check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=validate)
         weights = topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
-        call = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
-                             self.local_expert_offset, None, True, output, validate=False)
-        lora = None
-        if lora_ids is not None:
+        moe = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
+                            self.local_expert_offset, None, True, output, validate=False)
+        if with_lora:
+            lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
             check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, validate)
             check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
-            lora = triton_backend.FusedLoRA(self.lora, lora_ids.contiguous())
-        if hidden_states.shape[0] == 0:
-            return output
-        return triton_backend.lora_experts(topk_ids, weights, call.hidden_states, self.weights, lora,
-                                           self.num_experts, self.local_expert_offset, output)
+        call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
+                               self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,
+                               lora_ids if with_lora else None, self.fused)
+        return get_backend(self.backend).lora_experts(call)

@@ -210,12 +210,6 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------------- segments
 
-#: Widest stacked bank (L_PAD * R_PAD, :attr:`LoRABank.stacked_pads`) the fused path of ``LoRAExperts`` takes; wider
-#: banks run vLLM's unfused flow. A prefill tile of GEMM1 holds its expand operands in shared memory, 2 * columns *
-#: (BLOCK_M + BLOCK_N) elements: 64 KB at 64 columns, 128x128 bf16 tiles (the pipeline keeps 3 of its 4 stages).
-#: Every row's expand runs over all stacked columns, so wide banks cost more than the flow anyway.
-MAX_FUSED_LORA_COLUMNS = 64
-
 #: The Triton kernel runs one program per slot (finding each slot's group itself, nothing sorted) while the A and B
 #: bytes those programs stream, ``T*K * r * 3(H + I) * itemsize``, stay under this budget; above it the slots are
 #: grouped into segments so each (adapter, expert) pair is read once per tile. Measured on an H200 at

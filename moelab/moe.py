@@ -1,112 +1,21 @@
-"""The routed-MoE contract (SPEC §3): ``prepare_weights`` and ``routed_moe``, dispatched to a backend.
+"""The routed-MoE front end: ``prepare_weights`` and ``routed_moe``, dispatched to a backend.
 
-This module validates, decodes the routing and assembles FlashInfer's return table; the arithmetic lives in
-``moelab/backends/<name>.py``. Index arrays, by name:
-
-    topk_ids                      int32 [T, K]    global expert id of slot (t, k)
-    expert_weights                [T, K]          routing weight of slot (t, k) as the kernel uses it
-    expanded_idx_to_permuted_idx  int32 [T*K]     permuted row of expanded slot t*K+k, or -1 (non-local)
-    gemm1_activation_output       [R1, I]         SwiGLU output, permuted rows (index only through the map)
-    gemm2_output                  [R2, H]         unweighted expert output, permuted rows
+This module validates a call, bundles it as a :class:`moelab.contract.RoutedMoECall` (the data every backend
+receives; the index arrays are named there) and assembles FlashInfer's return table from the backend's
+:class:`moelab.contract.RoutedMoEResult`; the arithmetic lives in ``moelab/backends/<name>_backend.py``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from moelab import _checks
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
 from moelab.backends import available_backends, get_backend, resolve_backend
-from moelab.packing import unpack_topk_ids_weights
-from moelab.permutation import max_live_rows
+from moelab.contract import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 
 __all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "prepare_weights", "routed_moe",
            "permuted_rows", "available_backends"]
-
-
-@dataclass
-class MoEWeights:
-    """Expert weights prepared for one backend (from :func:`prepare_weights`).
-
-    ``gemm1_weights`` / ``gemm2_weights`` are in the backend's own layout: HF order ``[E_local, 2I, H]`` /
-    ``[E_local, H, I]`` for torch and triton, BlockMajorK for flashinfer (SPEC §4).
-    """
-
-    backend: str
-    gemm1_weights: torch.Tensor
-    gemm2_weights: torch.Tensor
-    num_local_experts: int
-    hidden_size: int
-    intermediate_size: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.gemm1_weights.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.gemm1_weights.device
-
-
-@dataclass
-class RoutedMoECall:
-    """A validated ``routed_moe`` call as a backend receives it.
-
-    ``topk_ids`` / ``expert_weights`` decode packed routing on first use only: the triton backend reads the
-    packed words in its kernels, so the decode (five small launches) runs only for ``validate=True`` or when
-    ``expert_weights`` must be returned.
-    """
-
-    topk: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # exactly what the caller passed
-    packed: torch.Tensor | None  # int32 [T, K] contiguous routing words, or None for tuple input
-    hidden_states: torch.Tensor  # [T, H]
-    weights: MoEWeights
-    num_experts: int
-    top_k: int
-    local_expert_offset: int
-    gemm1_lora_delta: torch.Tensor | None  # [T, K, 2I] [up, gate]
-    do_finalize: bool
-    output: torch.Tensor | None  # [T, H]
-    _decoded: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._decoded is None:
-            if self.packed is not None:
-                self._decoded = unpack_topk_ids_weights(self.packed)
-            else:
-                self._decoded = (self.topk[0].to(torch.int32).contiguous(), self.topk[1])
-        return self._decoded
-
-    @property
-    def topk_ids(self) -> torch.Tensor:
-        """int32 [T, K], global ids."""
-        return self._decode()[0]
-
-    @property
-    def expert_weights(self) -> torch.Tensor:
-        """[T, K]: bf16 decoded (packed input) or the caller's own tensor (tuple input)."""
-        return self._decode()[1]
-
-
-@dataclass
-class RoutedMoEResult:
-    """What a backend computed; :func:`routed_moe` turns it into FlashInfer's return list."""
-
-    output: torch.Tensor | None
-    gemm2_output: torch.Tensor | None
-    expanded_idx_to_permuted_idx: torch.Tensor | None
-    gemm1_activation_output: torch.Tensor | None
-
-
-def permuted_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, width: int) -> int:
-    """Rows FlashInfer allocates for a permuted buffer of row width ``width`` (H for gemm2, I for gemm1).
-
-    ``Rmax = tile * (m + (T*K - m) // tile)`` with ``m = min(E, T*K)`` bounds the tile-padded live rows; the
-    ``ceil(65536 / width)`` floor comes from FlashInfer's 128 KiB minimum allocation.
-    """
-    return max(max_live_rows(num_tokens * top_k, num_experts, tile), -(-65536 // width))
 
 
 def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto") -> MoEWeights:

@@ -100,11 +100,22 @@ def test_all_minus_one_takes_the_fast_path_and_equals_base(backend, device, monk
     none = torch.full((T,), -1)
     lora_path = experts(x, w, ids, none.to(device), has_lora=True)  # forced LoRA path: all deltas zero
     assert torch.equal(lora_path, base)
-    calls = []
-    monkeypatch.setattr(moelab.experts, "w13_lora_delta", lambda *a, **k: calls.append(1))
+    # The fast path is the backend's base MoE: a call that carries no bank (on every path, fused ones included).
+    from moelab.backends import get_backend
+    backend_module = get_backend(experts.backend)
+    banks = []
+
+    def spy(call):
+        banks.append(call.lora)
+        return run(call)
+
+    run = backend_module.lora_experts
+    monkeypatch.setattr(backend_module, "lora_experts", spy)
     assert torch.equal(experts(x, w, ids, none), base)  # CPU ids, all -1: decided on the host
     assert torch.equal(experts(x, w, ids, none.to(device), has_lora=False), base)
-    assert calls == []
+    assert banks == [None, None]
+    assert torch.equal(experts(x, w, ids, none.to(device), has_lora=True), base)  # the LoRA path, as above
+    assert banks[-1] is bank
     ref = reference.lora_experts(x, w, ids, none, w13, w2, bank)
     assert_close_to_reference(base, ref["output"], torch.bfloat16, "base")
 

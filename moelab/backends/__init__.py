@@ -1,8 +1,17 @@
-"""Backend registry. Each backend module implements SPEC §3 for one engine and exposes:
+"""Backend registry. Each backend module computes the routed-MoE contract (``moelab.contract``) on one engine
+and exposes:
 
     unavailable_reason(device) -> str | None   why it cannot run on ``device`` (None: it can)
     prepare(w13, w2) -> (gemm1_weights, gemm2_weights)   HF-order weights to its own layout
     routed_moe(call: RoutedMoECall) -> RoutedMoEResult
+    lora_experts(call: LoRAExpertsCall) -> Tensor   :class:`moelab.LoRAExperts`' forward, ``call.output`` [T, H];
+                                                 :func:`moelab.backends.lora_flow.lora_experts` (vLLM's unfused
+                                                 flow on the backend's own ``routed_moe``) is every backend's fallback
+    fused_lora_reason(bank) -> str | None       why ``lora_experts`` cannot fold ``bank`` into its kernels
+                                                 (None: it can, with ``call.fused``)
+
+Backends import ``moelab.contract`` and the ops below it, never ``moelab.moe`` or ``moelab.experts`` (the front
+ends that import them).
 """
 
 from __future__ import annotations

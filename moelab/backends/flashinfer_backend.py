@@ -5,7 +5,7 @@ BlockMajorK layout (SPEC §4) with FlashInfer's own helper when it imports, else
 (the same bytes). :func:`build_call_kwargs` is the call as keyword arguments, a pure function that CPU tests
 bind against the installed FlashInfer's signature. :func:`normalize_result` maps FlashInfer's four return
 shapes (a bare tensor for ``do_finalize=True`` without a delta, ``[output]`` from 0.8.0 on; lists otherwise)
-onto :class:`~moelab.moe.RoutedMoEResult`.
+onto :class:`~moelab.contract.RoutedMoEResult`.
 
 ``T = 0``: FlashInfer's routing raises on an empty batch with tuple routing, while SPEC §7 asks for empty
 results; so an empty batch never reaches the kernel: :func:`routed_moe` returns empty results shaped as
@@ -23,7 +23,8 @@ import importlib.util
 import torch
 
 from moelab import _runtime, layout
-from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.backends import lora_flow
+from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.permutation import default_tile
 
 #: ``RoutingMethodType.Renormalize``. In routed mode the method only selects validation, never math (SPEC §4):
@@ -201,3 +202,11 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
     returned = _kernel()(**build_call_kwargs(call))
     return normalize_result(returned, do_finalize=call.do_finalize, has_delta=call.gemm1_lora_delta is not None,
                             output=call.output)
+
+
+def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
+    """vLLM's unfused flow around the closed kernel, moelab's Triton ops for the deltas, unpermute and finalize."""
+    return lora_flow.lora_experts(call, routed_moe)
+
+
+fused_lora_reason = lora_flow.no_fused_lora

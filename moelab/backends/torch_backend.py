@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from moelab import _runtime
-from moelab.moe import RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.backends import lora_flow
+from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.ops import finalize_torch
 from moelab.permutation import default_tile, expanded_to_permuted_torch, local_expert_of_slot
 
@@ -54,3 +55,11 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
         out = call.output if call.output is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
         output = finalize_torch(out, gemm2, call.expert_weights, e2p, None)
     return RoutedMoEResult(output, gemm2, e2p, act_perm)
+
+
+def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
+    """vLLM's unfused flow with the torch fallbacks of moelab's LoRA ops (no Triton anywhere)."""
+    return lora_flow.lora_experts(call, routed_moe, use_triton=False)
+
+
+fused_lora_reason = lora_flow.no_fused_lora

@@ -12,12 +12,15 @@ newer, the kernels are chained by programmatic dependent launch (``moelab._runti
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moelab import _runtime
+from moelab.backends import lora_flow
+from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import (
     _decode_segments_w13_shrink_kernel,
@@ -27,7 +30,6 @@ from moelab.kernels.moe_gemm import (
 )
 from moelab.kernels.segments import MAX_CHUNK, build_segments_triton, plan_one_chunk
 from moelab.lora import LoRABank
-from moelab.moe import MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.permutation import cdiv, next_pow2
 
 
@@ -99,6 +101,23 @@ class FusedLoRA:
 
     bank: LoRABank
     lora_ids: torch.Tensor
+
+
+#: Widest stacked bank (L_PAD * R_PAD, :attr:`LoRABank.stacked_pads`) the fused path of ``LoRAExperts`` takes; wider
+#: banks run vLLM's unfused flow. A prefill tile of GEMM1 holds its expand operands in shared memory, 2 * columns *
+#: (BLOCK_M + BLOCK_N) elements: 64 KB at 64 columns, 128x128 bf16 tiles (the pipeline keeps 3 of its 4 stages).
+#: Every row's expand runs over all stacked columns, so wide banks cost more than the flow anyway.
+MAX_FUSED_LORA_COLUMNS = 64
+
+
+
+def fused_lora_reason(bank: LoRABank) -> str | None:
+    """None when :func:`lora_experts` can fold ``bank`` into the GEMMs (at most ``MAX_FUSED_LORA_COLUMNS``)."""
+    columns = math.prod(bank.stacked_pads)
+    if columns <= MAX_FUSED_LORA_COLUMNS:
+        return None
+    return (f"the fused path takes banks of at most {MAX_FUSED_LORA_COLUMNS} stacked columns (max_loras and "
+            f"max_rank padded to powers of two, multiplied), got {columns} stacked columns")
 
 
 #: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM1's epilogue,
@@ -275,15 +294,21 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
 
 
-def lora_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden_states: torch.Tensor,
-                 weights: MoEWeights, lora: FusedLoRA | None, num_experts: int, local_expert_offset: int,
-                 output: torch.Tensor) -> torch.Tensor:
-    """:class:`moelab.LoRAExperts` on this backend: the base pipeline, with the bank folded into its GEMMs when
-    ``lora`` is given (the W13 and W2 shrinks, extra launches but at decode; no [T,K,2I] or [T,K,H] delta). It reads
-    the ids and the caller's weights directly (no packing launches) and weights the base term by bf16(w), as the
-    packed routed MoE does, so every token without an adapter is bit for bit the packed base path's. Inputs already
-    validated: ``topk_ids`` int [T, K], ``topk_weights`` float [T, K]; ``output`` [T, H] written and returned."""
-    _pipeline(topk_ids.contiguous(), topk_weights.contiguous(), hidden_states, weights.gemm1_weights,
-              weights.gemm2_weights, num_experts, local_expert_offset, None, True, output=output, lora=lora,
+def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
+    """:class:`moelab.LoRAExperts` on this backend. With ``call.fused`` (or no adapter in the batch) it runs the base
+    pipeline, the bank folded into its GEMMs (the W13 and W2 shrinks, extra launches but at decode; no [T,K,2I] or
+    [T,K,H] delta); else, and for the base MoE under ``torch.compile`` (one registered custom op), vLLM's unfused
+    flow. The pipeline reads the ids and the caller's weights directly (no packing launches) and weights the base
+    term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the packed
+    base path's."""
+    if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
+        return lora_flow.lora_experts(call, routed_moe)
+    if call.hidden_states.shape[0] == 0:
+        return call.output
+    weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
+    lora = None if call.lora is None else FusedLoRA(call.lora, call.lora_ids.contiguous())
+    W = call.weights
+    _pipeline(call.topk_ids.contiguous(), weights.contiguous(), call.hidden_states, W.gemm1_weights,
+              W.gemm2_weights, call.num_experts, call.local_expert_offset, None, True, output=call.output, lora=lora,
               round_weights=True)
-    return output
+    return call.output

@@ -1,0 +1,56 @@
+"""vLLM's unfused MoE-LoRA flow (``TrtLlmBf16LoRAExperts.apply``) on any backend's ``routed_moe``: the one
+implementation of ``lora_experts`` every backend falls back on.
+
+    pack routing -> [no adapter in the batch: the finalized base MoE straight into ``output``]
+    W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
+    -> unpermute act to [T*K, I] (non-local rows zero) -> W2 delta [T,K,H], weighted -> one fused finalize
+
+A token without an adapter comes out bit for bit as the base path computes it: its delta rows are exact zeros,
+the GEMMs run the same tiles, and the finalize finishes the base sum before it adds the (zero) LoRA sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult
+from moelab.lora import LoRABank, lora_segments, w2_lora_delta, w13_lora_delta
+from moelab.ops import finalize_with_w2_lora, unpermute_activation
+from moelab.packing import pack_topk_ids_weights
+
+
+def lora_experts(call: LoRAExpertsCall, routed_moe: Callable[[RoutedMoECall], RoutedMoEResult], *,
+                 use_triton: bool | None = None) -> torch.Tensor:
+    """``call`` through ``routed_moe`` (a backend's, taking a :class:`~moelab.contract.RoutedMoECall`) and
+    moelab's standalone LoRA ops; ``use_triton`` as in :func:`moelab.w13_lora_delta` (the torch backend passes
+    False). Writes and returns ``call.output`` [T, H]."""
+    x, ids, W = call.hidden_states, call.topk_ids, call.weights
+    T, K = ids.shape
+    packed = pack_topk_ids_weights(ids, call.topk_weights, validate=False)  # checked by the caller
+
+    def moe_call(delta: torch.Tensor | None, do_finalize: bool) -> RoutedMoECall:
+        return RoutedMoECall(packed, packed, x, W, call.num_experts, K, call.local_expert_offset, delta,
+                             do_finalize, call.output if do_finalize else None)
+
+    if call.lora is None:
+        routed_moe(moe_call(None, True))  # writes call.output
+        return call.output
+    bank, lora_ids, offset = call.lora, call.lora_ids, call.local_expert_offset
+    lora_args = dict(local_expert_offset=offset, validate=False, use_triton=use_triton)
+    segments = lora_segments(ids, lora_ids, bank, local_expert_offset=offset)
+    delta = w13_lora_delta(x, ids, lora_ids, bank, segments=segments, **lora_args)
+    unfinalized = moe_call(delta, False)
+    result = routed_moe(unfinalized)
+    e2p = result.expanded_idx_to_permuted_idx
+    act = unpermute_activation(result.gemm1_activation_output, e2p, T, K, validate=False, use_triton=use_triton)
+    w2_delta = w2_lora_delta(act, ids, call.topk_weights, lora_ids, bank, segments=segments, **lora_args)
+    # validate=False: the map comes from routed_moe itself, in range by construction (and no host sync).
+    return finalize_with_w2_lora(call.output, result.gemm2_output, unfinalized.expert_weights, e2p, w2_delta,
+                                 validate=False, use_triton=use_triton)
+
+
+def no_fused_lora(bank: LoRABank) -> str:
+    """``fused_lora_reason`` of a backend whose kernels take no LoRA bank."""
+    return "only the triton backend folds a LoRA bank into its kernels"

@@ -1,0 +1,65 @@
+"""The package's structure: imports run one way (no cycle between moelab's modules), and no module outside a
+kernel file reaches for its private names."""
+
+import ast
+import pathlib
+
+import moelab
+
+ROOT = pathlib.Path(moelab.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> list[tuple[str, list[str]]]:
+    """(moelab module, imported names) of every import in ``path``, the ones under ``if TYPE_CHECKING`` left out."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in node.body for n in ast.walk(child)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name in modules]
+        elif isinstance(node, ast.ImportFrom) and node.module in modules:
+            subs = [a.name for a in node.names if f"{node.module}.{a.name}" in modules]
+            found += [(f"{node.module}.{s}", []) for s in subs]
+            names = [a.name for a in node.names if a.name not in subs]
+            if names:
+                found.append((node.module, names))
+    return found
+
+
+def _graph() -> dict[str, list[tuple[str, list[str]]]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {name: _imports(path, set(files)) for name, path in files.items()}
+
+
+def test_no_import_cycle():
+    graph = {m: {t for t, _ in edges if t != m} for m, edges in _graph().items()}
+    # the registry imports its backends by name (importlib), which the source's import statements do not show
+    graph["moelab.backends"] |= {m for m in graph if m.startswith("moelab.backends.") and m.endswith("_backend")}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(path[path.index(t):] + [t])}")
+            if t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_backends_do_not_import_the_front_ends():
+    for m, edges in _graph().items():
+        if m.startswith("moelab.backends"):
+            assert not {t for t, _ in edges} & {"moelab.moe", "moelab.experts", "moelab"}, m
