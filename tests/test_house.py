@@ -40,7 +40,8 @@ def _graph() -> dict[str, list[tuple[str, list[str]]]]:
 
 
 def test_no_import_cycle():
-    graph = {m: {t for t, _ in edges if t != m} for m, edges in _graph().items()}
+    # a module's own package is imported before the module anyway: an edge up to it is no dependency
+    graph = {m: {t for t, _ in edges if not (m == t or m.startswith(t + "."))} for m, edges in _graph().items()}
     # the registry imports its backends by name (importlib), which the source's import statements do not show
     graph["moelab.backends"] |= {m for m in graph if m.startswith("moelab.backends.") and m.endswith("_backend")}
     state: dict[str, int] = {}
