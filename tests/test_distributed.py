@@ -163,6 +163,15 @@ def test_check_expert_map_errors(expert_map, kwargs, match):
         check_expert_map(torch.tensor(expert_map), num_logical_experts=4, **kwargs)
 
 
+def test_docstring_examples():
+    import doctest
+
+    from moelab.distributed import eplb, metadata
+
+    for module in (metadata, eplb):
+        assert doctest.testmod(module).failed == 0, f"{module.__name__}: a docstring example is wrong"
+
+
 def test_import_moelab_does_not_import_distributed():
     import subprocess
 
@@ -261,8 +270,9 @@ def _rank_checks(rank, R):
     single_base = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="torch")
     results = {}
     # uneven T with a rank of T = 0; a rank whose tokens all stay home (sends nothing to others)
-    cases = {"uneven": ([5, 0, 7, 3][:R] if R == 4 else [9, 0], {}),
-             "stays_home": ([4, 6, 3, 5][:R], dict(own_experts_on=0, P_local=P_local))}
+    cases = {"uneven": ([5, 0, 7, 3] if R == 4 else [9, 0], {})}
+    if R == 2:  # (4 ranks share 2 cores in CI: their run keeps to the other checks)
+        cases["stays_home"] = ([4, 6], dict(own_experts_on=0, P_local=P_local))
     for mode in MODES:
         layer = _layer(w13, w2, bank, block, dispatch=mode)
         base_layer = _layer(w13, w2, None, block, dispatch=mode)
@@ -354,7 +364,7 @@ def _rank_loads(layer, R):
 
 def _check_results(results, R):
     for mode in MODES:
-        for name in ("uneven", "stays_home"):
+        for name in ("uneven", "stays_home") if R == 2 else ("uneven",):
             for rank, res in enumerate(results):
                 r = res[(mode, name)]
                 where = f"{mode}, {name}, rank {rank} (T={r['T']})"

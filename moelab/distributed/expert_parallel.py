@@ -24,12 +24,13 @@ Tensors by name (T_r tokens on rank r, K = top_k, E logical, P physical, P_local
     token_ranks        bool [T_r, R]    whether token t has an expert on rank r (it is sent there once)
     header             int64 [R, 3 + R] per rank: T_r, input error, has adapters, tokens sent to each rank
 
-Exactness: a token without an adapter comes out bit for bit as the same layer without a bank computes it, in
-both modes (the experts guarantee it per rank, and the same partials travel and are added the same way). Against
-a single process, a token whose experts all sit on one rank matches bit for bit when the backend's GEMM rows do
-not depend on the batch around them (the other ranks add exact zeros, or nothing); a token whose experts span
-ranks differs in rounding: each rank rounds its partial sum to the input dtype before the ranks' partials are
-added (in fp32 for all_to_all, in the input dtype and the collective's order for allgather_reducescatter).
+Exactness: the layer adds nothing to :class:`moelab.LoRAExperts`' own guarantee for a token without an adapter
+(each rank's partial sum is LoRAExperts' output; it travels unchanged and the partials are added in a fixed order),
+so such a token does not change by a bit when other tokens change adapter. Against one process, a token whose experts
+all sit on one rank matches bit for bit when the backend's GEMM rows do not depend on the batch around them (the
+other ranks add exact zeros, or nothing); a token whose experts span ranks differs in rounding: each rank rounds its
+partial sum to the input dtype before the partials are added (in fp32 for all_to_all, in the input dtype and the
+collective's order for allgather_reducescatter).
 
 Not CUDA-graph capturable: every call exchanges its split sizes through the host.
 """
@@ -51,6 +52,13 @@ DISPATCH_MODES = ("all_to_all", "allgather_reducescatter")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _BANK_TENSORS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
+
+
+def _reraise(error: Exception, note: str):
+    """Raise ``error`` again with ``note`` appended to its message (the same type when it can be rebuilt)."""
+    if type(error) in (TypeError, ValueError, RuntimeError, IndexError):
+        raise type(error)(f"{error} {note}") from error
+    raise error
 
 
 def _reduce_scatter(output, tensor, group):
@@ -114,7 +122,7 @@ class ExpertParallelMoE(nn.Module):
         error = None
         try:  # local checks first; the collective check below makes every rank raise if any rank failed
             self._setup(w13, w2, num_experts, top_k, lora, dispatch, backend, expert_map)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # any local failure: every rank must learn of it, or the others would hang
             error = err
         self._agree_or_raise(error, w13, w2, num_experts, top_k, lora, dispatch, expert_map)
         self.reset_load()
@@ -179,7 +187,7 @@ class ExpertParallelMoE(nn.Module):
         _all_gather(every, mine, self.group)
         every = every.view(self.world_size, -1).cpu()
         if error is not None:
-            raise type(error)(f"{error} (rank {self.rank})") from error
+            _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
         failed = every[:, 0].nonzero().flatten().tolist()
         if failed:
             raise ValueError(f"ExpertParallelMoE: rank(s) {failed} rejected their arguments (their error says why); "
@@ -229,7 +237,7 @@ class ExpertParallelMoE(nn.Module):
         try:
             new_map = check_expert_map(expert_map, num_logical_experts=E, num_local_physical_experts=P_local,
                                        ep_size=R)
-        except (TypeError, ValueError) as err:
+        except Exception as err:
             error, new_map = err, None
         self._agree_or_raise(error, self.w13, self.w2, E, self.top_k, self.lora, self.dispatch, expert_map)
         old_map = self.metadata.expert_map
@@ -355,7 +363,7 @@ class ExpertParallelMoE(nn.Module):
             token_ranks = torch.zeros(topk_ids.shape[0], R, dtype=torch.bool, device=device)
             token_ranks.scatter_(1, physical // self.num_local_physical_experts, True)
             send_counts = token_ranks.sum(0)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # any local failure: every rank must learn of it, or the others would hang
             error, send_counts = err, torch.zeros(R, dtype=torch.int64, device=device)
         T = hidden_states.shape[0] if error is None else 0
         header = torch.cat([torch.tensor([T, int(error is not None), int(lora_ids is not None)], device=device),
@@ -366,7 +374,7 @@ class ExpertParallelMoE(nn.Module):
         every = every.view(R, -1).cpu()
         self._mark("exchange")
         if error is not None:
-            raise type(error)(f"{error} (rank {self.rank}; every rank of the group raised)") from error
+            _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
         failed = every[:, 1].nonzero().flatten().tolist()
         if failed:
             raise ValueError(f"ExpertParallelMoE: rank(s) {failed} rejected their input (their error says why); no "

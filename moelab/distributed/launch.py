@@ -54,10 +54,10 @@ def spawn_ranks(fn, world_size: int, *args, device: str = "cpu", timeout: float 
     in any rank is raised here with that rank's traceback. ``env``: environment variables the new processes
     start with (e.g. ``{"TRITON_INTERPRET": "0"}``: moelab's torch backend in plain torch on a CPU).
 
-    Example:
-        >>> from moelab.distributed.demo import world_of  # doctest: +SKIP
-        >>> spawn_ranks(world_of, 2)  # doctest: +SKIP
-        [(0, 2), (1, 2)]
+    Example (``my_module.rank_sum``: ``def rank_sum(rank, world_size): t = torch.tensor([rank]);
+    dist.all_reduce(t); return t.item()``):
+        >>> spawn_ranks(my_module.rank_sum, 2)  # doctest: +SKIP
+        [1, 1]
     """
     saved = {name: os.environ.get(name) for name in env or {}}
     with tempfile.TemporaryDirectory(prefix="moelab-ranks-") as out_dir:
