@@ -49,7 +49,8 @@ class Shape:
 #: One MoE layer of each model moelab is measured on (from each model's config.json: ``num_experts`` or
 #: ``num_local_experts`` / ``n_routed_experts``, ``num_experts_per_tok``, ``hidden_size``,
 #: ``moe_intermediate_size`` or ``intermediate_size``), plus ``tiny`` for CPU runs. Keys are what
-#: ``python -m moelab.bench --shape`` and ``scripts/tune_moe.py --shape`` take.
+#: ``python -m moelab.bench --shape`` and ``scripts/tune_moe.py --shape`` take. (GPT-OSS's experts also have
+#: biases and a clamped SwiGLU; here it is its shape, in bf16, with moelab's plain SwiGLU.)
 SHAPES: dict[str, Shape] = {
     "qwen3-30b-a3b": Shape("Qwen3-30B-A3B", 128, 8, 2048, 768),
     "olmoe": Shape("OLMoE-1B-7B", 64, 8, 2048, 1024),

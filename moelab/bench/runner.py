@@ -152,26 +152,32 @@ def check_rows(T: int, n: int, device) -> torch.Tensor:
     return torch.cat([torch.tensor([0, T - 1], device=device), inner]).sort().values
 
 
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    """float64 on the CPU, widened where ``t`` is (exact; on a GPU faster than widening on the host)."""
+    return t.to(torch.float64).cpu()
+
+
 def reference_rows(ctx: Ctx, s: InputSet, rows: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """float64 CPU [len(rows), H]: ``moelab.reference.routed_moe`` (or ``lora_experts`` with the ``variant``'s
     adapters) of the tokens ``rows``. Each call gets only the experts and adapters its tokens touch (as local ids),
     in chunks of tokens whose float64 weights fit in a few GiB of host memory."""
     K, H, I = ctx.shape.K, ctx.shape.H, ctx.shape.I
-    per_token = K * 3 * H * I * 8
-    chunk = max(1, _REFERENCE_BYTES // per_token)
+    chunk = max(1, _REFERENCE_BYTES // (K * 3 * H * I * 8))  # float64 gate, up, down of K experts a token
+    if variant is not None:  # c tokens take up to c adapters x c*K experts of the bank
+        per_pair = 3 * ctx.bank_of(variant).max_rank * (H + I) * 8
+        chunk = min(chunk, max(1, math.isqrt(_REFERENCE_BYTES // (K * per_pair))))
     out = []
     for part in rows.split(chunk):
         ids = s.ids[part]
         experts, local = torch.unique(ids, return_inverse=True)
-        w13, w2 = ctx.w13[experts].cpu(), ctx.w2[experts].cpu()
-        x, w = s.x[part].cpu(), s.weights[part].cpu()
+        w13, w2, x, w = (_f64(t) for t in (ctx.w13[experts], ctx.w2[experts], s.x[part], s.weights[part]))
         if variant is None:
             out.append(reference.routed_moe(local.cpu(), w, x, w13, w2)["output"])
             continue
         bank, lora = ctx.bank_of(variant), s.lora_ids[variant][part].long()
         slots = torch.unique(lora[lora >= 0])
         lora_local = torch.where(lora >= 0, torch.searchsorted(slots, lora.clamp(min=0)), -1)
-        sub = SimpleNamespace(**{name: getattr(bank, name)[slots][:, experts].cpu() for name in
+        sub = SimpleNamespace(**{name: _f64(getattr(bank, name)[slots][:, experts]) for name in
                                  ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")})
         out.append(reference.lora_experts(x, w, local.cpu(), lora_local.cpu(), w13, w2, sub)["output"])
     return torch.cat(out)
