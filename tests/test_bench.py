@@ -228,3 +228,16 @@ def test_builders_skip_with_a_reason():
         peers.build_liger(ctx)
     with pytest.raises(impls.Skip, match="one adapter"):
         peers.build_peft(ctx, "4x all")
+
+
+def test_graph_rows_divide_by_the_graph_base(tmp_path):
+    args = bench.build_parser().parse_args(["--out", str(tmp_path / "b.json")])
+    args.time_budget = None
+    r = runner.Runner(args, torch.device("cpu"), bench.H200_CEILINGS, {"rows": []})
+    where = {"mode": "lora", "shape": "s", "routing": "uniform", "T": 1, "variant": "none"}
+    for impl, us in [("moelab triton", 200.0), ("moelab triton [graph]", 40.0), ("moelab LoRAExperts", 220.0),
+                     ("moelab LoRAExperts [graph]", 44.0)]:
+        r._emit(dict(where, impl=impl, median_us=us), quiet=True)
+    got = {row["impl"]: row["vs_moelab_triton"] for row in r.results["rows"]}
+    assert got == pytest.approx({"moelab triton": 1.0, "moelab triton [graph]": 1.0, "moelab LoRAExperts": 1.1,
+                                 "moelab LoRAExperts [graph]": 1.1})

@@ -50,7 +50,7 @@ def _fmt(v: float | None, digits: int = 0) -> str:
 
 #: The tables of each (mode, shape, routing): title, row key, digits, scale.
 _TABLES = (("median µs", "median_us", 0, 1), ("measured / floor", "x_floor", 2, 1),
-           ("time / moelab triton", "vs_moelab_triton", 2, 1),
+           ("time / moelab triton ([graph] rows: / moelab triton [graph])", "vs_moelab_triton", 2, 1),
            ("peak MiB allocated by one eager call (output included)", "peak_bytes", 1, 2**-20))
 
 
@@ -72,7 +72,7 @@ def _pivot(mode: str, shape: str, routing: str, rs: list[dict]) -> list[str]:
     for title, key, digits, scale in _TABLES:
         if key == "peak_bytes" and not any(key in r for r in rs):
             continue  # no peak memory off CUDA
-        title = title + (" (no LoRA)" if lora and key == "vs_moelab_triton" else "")
+        title = title.replace("moelab triton", "moelab triton (no LoRA)", 1) if lora else title
         head = "| T | " + ("LoRA | " if lora else "") + "touched | floor µs | " + " | ".join(cols) + " |"
         lines += ["", f"**{mode}: {shape}, {routing} routing, bf16: {title}**", "", head,
                   "|" + "---|" * (head.count("|") - 1)]

@@ -319,10 +319,13 @@ class Runner:
         return self._emit(row)
 
     def _emit(self, row: dict, quiet: bool = False) -> dict:
+        """Record ``row`` (with its time over moelab triton's of the same T: graph rows over moelab triton
+        [graph], eager rows over the eager call), print it, save the results."""
         self.results["rows"].append(row)
+        graph = row["impl"].endswith(" [graph]")
         ref_rows = [r for r in self.results["rows"] if r["mode"] == row["mode"] and r["shape"] == row["shape"]
-                    and r["routing"] == row["routing"] and r["T"] == row["T"] and r["impl"] == "moelab triton"
-                    and "median_us" in r]
+                    and r["routing"] == row["routing"] and r["T"] == row["T"] and "median_us" in r
+                    and r["impl"] == ("moelab triton [graph]" if graph else "moelab triton")]
         if "median_us" in row and ref_rows:
             row["vs_moelab_triton"] = row["median_us"] / ref_rows[0]["median_us"]
         if not quiet:
