@@ -170,6 +170,8 @@ def test_reference_rows_is_the_float64_reference():
                                          bank)["output"]
     got = runner.reference_rows(ctx, s, rows, "3x mixed half")
     assert torch.allclose(got, full[rows], rtol=0, atol=1e-12)
+    none = torch.tensor([1, 4])  # checked tokens that all have -1: no adapter slot in the slice
+    assert torch.allclose(runner.reference_rows(ctx, s, none, "3x mixed half"), full[none], rtol=0, atol=1e-12)
 
 
 def test_markdown_has_the_peak_memory_table():
