@@ -28,3 +28,16 @@ def __getattr__(name):
 
         return importlib.import_module("moelab.distributed")
     raise AttributeError(f"module 'moelab' has no attribute {name!r}")
+
+
+def _plant_fault_from_env() -> None:
+    """The bug hunt's test hook: ``MOELAB_BREAK=<name>`` plants one fault of :mod:`moelab.faults` at import."""
+    import os
+
+    if os.environ.get("MOELAB_BREAK", "").strip():
+        import importlib
+
+        importlib.import_module("moelab.faults").plant_from_env()
+
+
+_plant_fault_from_env()

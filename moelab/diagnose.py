@@ -60,7 +60,7 @@ def describe(bad, facts: Mapping[str, object] | None) -> str:
         elif in_bad == 0:
             head = f"none of them has {label}"
         else:
-            head = f"{in_bad} of them have {label}"
+            head = f"{in_bad} of them {'has' if in_bad == 1 else 'have'} {label}"
         parts.append(f"{head} ({in_good} of the {n_good} others)")
     return "; ".join(parts)
 

@@ -240,7 +240,7 @@ def plot_error_heatmap(out, ref, ax=None, *, title: str | None = None, vmin: flo
     nan_note = f", {n_nan} NaN" if n_nan else ""
     if n_nan:  # the colour bar has no NaN: a legend entry says what the cyan cells are
         ax.legend(handles=[Patch(color=COLORS["nan"], label=f"NaN ({n_nan} cells)")], loc="lower right",
-                  bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, borderaxespad=0.1)
+                  fontsize=8, framealpha=0.95)
     ax.set_title(f"{title + ': ' if title else ''}rel err = {e:.1e}{nan_note}", loc="left", fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
