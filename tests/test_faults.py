@@ -42,7 +42,9 @@ def test_planted_reaches_every_holder_and_is_taken_out(name):
 def test_public_names_are_swapped_and_the_reference_never():
     ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.5, -0.25]])
     with faults.planted("sign-mask"):
-        assert moelab.experts.pack_topk_ids_weights is moelab.pack_topk_ids_weights  # LoRAExperts' own import
+        from moelab.backends import lora_flow  # LoRAExperts' unfused flow imported it by name
+
+        assert lora_flow.pack_topk_ids_weights is moelab.pack_topk_ids_weights
         assert moelab.unpack_topk_ids_weights(moelab.pack_topk_ids_weights(ids, weights))[0].tolist() == [[3, -1]]
         assert reference.unpack_topk_ids_weights(reference.pack_topk_ids_weights(ids, weights))[0].tolist() == [[3, 1]]
     assert moelab.unpack_topk_ids_weights(moelab.pack_topk_ids_weights(ids, weights))[0].tolist() == [[3, 1]]
