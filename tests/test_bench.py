@@ -243,3 +243,15 @@ def test_graph_rows_divide_by_the_graph_base(tmp_path):
     got = {row["impl"]: row["vs_moelab_triton"] for row in r.results["rows"]}
     assert got == pytest.approx({"moelab triton": 1.0, "moelab triton [graph]": 1.0, "moelab LoRAExperts": 1.1,
                                  "moelab LoRAExperts [graph]": 1.1})
+
+
+def test_markdown_eager_over_graph():
+    where = {"mode": "base", "shape": "s", "routing": "uniform", "variant": "none", "floor_us": 1.0, "x_floor": 1.0}
+    rows = [dict(where, T=T, impl=impl, median_us=us) for T, impl, us in
+            [(1, "moelab triton", 120.0), (1, "moelab triton [graph]", 40.0), (1, "naive loop", 900.0),
+             (32, "moelab triton", 300.0), (32, "moelab triton [graph]", 250.0)]]
+    md = bench.markdown({"rows": rows})
+    table = md[md.index("eager / [graph] time"):]
+    assert "| T | moelab triton |" in table and "| 1 | 3.00 |" in table and "| 32 | 1.20 |" in table
+    assert "naive" not in table  # measured eagerly only
+    assert "eager / [graph]" not in bench.markdown({"rows": rows[2:3]})

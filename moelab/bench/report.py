@@ -99,6 +99,25 @@ def _pivot(mode: str, shape: str, routing: str, rs: list[dict]) -> list[str]:
     return lines
 
 
+def _eager_over_graph(mode: str, shape: str, routing: str, rs: list[dict]) -> list[str]:
+    """Eager time over CUDA-graph time of each implementation measured both ways (what the host adds to a
+    call), by (T, variant); nothing when no graph rows were measured."""
+    us = {(r["T"], r.get("variant", "none"), r["impl"]): r["median_us"] for r in rs if "median_us" in r}
+    pairs = sorted({(T, v, impl[: -len(" [graph]")]) for T, v, impl in us if impl.endswith(" [graph]")
+                    and (T, v, impl[: -len(" [graph]")]) in us})
+    if not pairs:
+        return []
+    cols = list(dict.fromkeys(impl for _, _, impl in pairs))
+    head = "| T | " + ("LoRA | " if mode == "lora" else "") + " | ".join(cols) + " |"
+    lines = ["", f"**{mode}: {shape}, {routing} routing, bf16: eager / [graph] time**", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    for T, v in dict.fromkeys((T, v) for T, v, _ in pairs):
+        vals = [_fmt(us[(T, v, c)] / us[(T, v, c + " [graph]")], 2) if (T, v, c) in us
+                and (T, v, c + " [graph]") in us else "" for c in cols]
+        lines.append(f"| {T} | " + (f"{v} | " if mode == "lora" else "") + " | ".join(vals) + " |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     """Markdown tables of ``results`` (from :func:`moelab.bench.run`), ready to paste into BENCHMARKS.md."""
     env, c = results.get("env", {}), results.get("ceilings", {})
@@ -121,7 +140,7 @@ def markdown(results: dict) -> str:
     for r in rows:
         groups.setdefault((r["mode"], r["shape"], r["routing"]), []).append(r)
     for (mode, shape, routing), rs in groups.items():
-        lines += _pivot(mode, shape, routing, rs)
+        lines += _pivot(mode, shape, routing, rs) + _eager_over_graph(mode, shape, routing, rs)
     ops = [r for r in results.get("rows", []) if r["mode"] == "ops"]
     if ops:
         lines += ["", "**ops (bytes read + written)**", "", "| op | T | µs | GB/s | % of copy BW |",
