@@ -163,6 +163,21 @@ def test_check_expert_map_errors(expert_map, kwargs, match):
         check_expert_map(torch.tensor(expert_map), num_logical_experts=4, **kwargs)
 
 
+def test_plots_draw_what_they_are_given():
+    from matplotlib.figure import Figure
+
+    from moelab.distributed import plots
+
+    fig = plots.plot_dispatch(torch.tensor([[0, 0], [0, 1], [1, 1]]), 2)
+    assert isinstance(fig, Figure)
+    labels = sorted(t.get_text() for t in fig.axes[0].texts)
+    assert labels == ["1", "1", "2", "2"], f"cell labels {labels}: expected token 0 -> 2 on rank 0, 1+1, 2 on rank 1"
+    assert "2 copies sent to other ranks" in fig.axes[0].get_title(loc="left")
+    fig = plots.plot_expert_load(torch.tensor([[3, 1], [0, 4]]), torch.tensor([0, 1, 2, 0]))
+    assert "max/mean rank load 1.00" in fig.axes[0].get_title(loc="left")
+    assert "e2\n0" in [t.get_text() for t in fig.axes[0].texts]
+
+
 def test_docstring_examples():
     import doctest
 

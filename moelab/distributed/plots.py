@@ -7,6 +7,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 __all__ = ["plot_dispatch", "plot_expert_load"]
 
@@ -36,7 +37,9 @@ def plot_dispatch(dest_ranks, num_ranks: int, ax=None, *, source_rank: int = 0, 
     for t, r in zip(*np.nonzero(grid.numpy())):
         ax.text(r, t, str(int(grid[t, r])), ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=ax, label="its experts on that rank", ticks=range(int(dest.shape[1]) + 1))
-    ax.set_xticks(range(num_ranks), [f"rank {r}" + (" (self)" if r == source_rank else "") for r in range(num_ranks)])
+    ax.set_xticks(range(num_ranks), [f"{r}*" if r == source_rank else str(r) for r in range(num_ranks)])
+    ax.set_xlabel("destination rank (* = its own)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"token of rank {source_rank}")
     sent = int((grid > 0).sum()) - int((grid[:, source_rank] > 0).sum()) if T else 0
     ax.set_title(title or f"rank {source_rank}'s {T} tokens:\n{sent} copies sent to other ranks", loc="left",
