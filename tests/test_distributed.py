@@ -318,6 +318,24 @@ def _rank_checks(rank, R):
         empty = layer(torch.zeros(0, H), torch.zeros(0, K), torch.zeros(0, K, dtype=torch.long),
                       torch.zeros(0, dtype=torch.long))
         results[(mode, "all_empty")] = tuple(empty.shape)
+        if R == 2:
+            # rank 1 passes lora_ids=None (its tokens have no adapter) while rank 0 uses adapters
+            x, w, ids, lora_ids = _tokens([4, 5], seed=4)
+            lora_ids[4:] = -1
+            mx, mw, mids, mlora = _mine(rank, [4, 5], x, w, ids, lora_ids)
+            out = layer(mx, mw, mids, mlora if rank == 0 else None)
+            results[(mode, "mixed_none")] = _rel(out, _mine(rank, [4, 5], single(x, w, ids, lora_ids))[0])
+            # bf16 weights, bank and activations: within 1e-2 of the float64 reference
+            bank16 = moelab.LoRABank(L, E, H, I, RANK, dtype=torch.bfloat16)
+            for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
+                getattr(bank16, name).copy_(getattr(bank, name))
+            bank16.ranks = list(bank.ranks)
+            w13_16, w2_16 = w13.bfloat16(), w2.bfloat16()
+            layer16 = _layer(w13_16, w2_16, bank16, block, dispatch=mode)
+            mx16 = mx.bfloat16()
+            out16 = layer16(mx16, mw, mids, mlora)
+            ref16 = reference.lora_experts(mx16, mw, mids, mlora, w13_16, w2_16, bank16)["output"]
+            results[(mode, "bf16")] = (str(out16.dtype), _rel(out16, ref16))
         # bad input on rank R-1 only: every rank raises, and the group still works afterwards
         x, w, ids, lora_ids = _tokens([3] * R, seed=2)
         mx, mw, mids, mlora = _mine(rank, [3] * R, x, w, ids, lora_ids)
@@ -396,6 +414,10 @@ def _check_results(results, R):
             else:
                 assert results[0][(mode, name)]["sent_home_only"], "rank 0's tokens were meant to stay home"
         for rank, res in enumerate(results):
+            if R == 2:
+                assert res[(mode, "mixed_none")] <= 1e-5, f"{mode}, rank {rank}: lora_ids None on one rank only"
+                dtype, err = res[(mode, "bf16")]
+                assert dtype == "torch.bfloat16" and err <= 1e-2, f"{mode}, rank {rank}: bf16 {dtype} rel err {err}"
             assert res[(mode, "all_empty")] == (0, H), f"{mode}: T = 0 everywhere gave {res[(mode, 'all_empty')]}"
             err = res[(mode, "bad_input")]
             assert err is not None, f"{mode}: rank {rank} did not raise when rank {R - 1} passed a bad expert id"
