@@ -41,9 +41,10 @@ def main() -> None:
 
 def print_registers() -> None:
     """Registers and spills of every compiled variant of the GEMM kernels (what a fused epilogue costs)."""
-    from moelab.kernels import moe_gemm
+    from moelab.kernels import fused_lora, moe_gemm
 
-    for fn in (moe_gemm._gemm1_swiglu_kernel, moe_gemm._gemm2_kernel, moe_gemm._lora_shrink_kernel):
+    for fn in (moe_gemm._gemm1_swiglu_kernel, moe_gemm._gemm2_kernel, fused_lora._lora_shrink_kernel,
+               fused_lora._decode_segments_w13_shrink_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 print(f"{fn.__name__}: {kernel.n_regs} registers, {kernel.n_spills} spills, "

@@ -64,3 +64,12 @@ def test_backends_do_not_import_the_front_ends():
     for m, edges in _graph().items():
         if m.startswith("moelab.backends"):
             assert not {t for t, _ in edges} & {"moelab.moe", "moelab.experts", "moelab"}, m
+
+
+def test_no_module_imports_a_kernel_files_private_names():
+    """Each kernels/ file launches its own private kernels; others call its public launchers."""
+    for m, edges in _graph().items():
+        for target, names in edges:
+            if target.startswith("moelab.kernels.") and target != m:
+                private = [n for n in names if n.startswith("_")]
+                assert not private, f"{m} imports {private} from {target}"

@@ -9,12 +9,21 @@ Two interpreter bugs (both absent on a GPU) would otherwise skew every bf16 resu
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from moelab import _runtime
 
 INTERPRET = tl.constexpr(_runtime.INTERPRET)
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """The ``DOT_F32`` and ``DOT_PRECISION`` constexprs of a kernel whose dot operands are ``dtype``: upcast them to
+    fp32 in the interpreter (see above) or when they are fp32 already, and fp32 operands multiply in exact 'ieee'
+    (TF32 would miss 1e-5); bf16 and fp16 operands go to the tensor cores as they are."""
+    return dict(DOT_F32=_runtime.INTERPRET or dtype == torch.float32,
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
 @triton.jit

@@ -71,9 +71,11 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
     block_h = min(1024 if T >= 1024 else 512, next_pow2(H))
     delta = w2_delta if w2_delta is not None else output  # placeholder pointer, never read
     _finalize_kernel[(T, cdiv(H, block_h))](
-        output, gemm2_output, expert_weights, e2p, delta, float(scale),
-        gemm2_output.shape[0], H, output.stride(0), gemm2_output.stride(0), expert_weights.stride(0),
-        delta.stride(0) if w2_delta is not None else 0, delta.stride(1) if w2_delta is not None else 0,
+        out_ptr=output, gemm2_ptr=gemm2_output, weights_ptr=expert_weights, e2p_ptr=e2p, delta_ptr=delta,
+        scale=float(scale), num_rows=gemm2_output.shape[0], H=H, stride_out_t=output.stride(0),
+        stride_gemm2_r=gemm2_output.stride(0), stride_w_t=expert_weights.stride(0),
+        stride_d_t=delta.stride(0) if w2_delta is not None else 0,
+        stride_d_k=delta.stride(1) if w2_delta is not None else 0,
         TOP_K=K, HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights,
         ROUND_WEIGHTS=round_weights, BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1,
         **_runtime.pdl_launch(output.device),

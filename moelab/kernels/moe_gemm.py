@@ -10,219 +10,85 @@ order (``w13 [E_local, 2I, H]`` rows [gate; up], ``w2 [E_local, H, I]``), read K
 ``fused_moe_kernel``. Padding rows (slot -1) and tiles past the live rows are written with ``DEAD_FILL``
 (0, or NaN in debug mode); dead tiles touch no weight.
 
-Fused LoRA (``LORA``, the triton backend's path for :class:`moelab.LoRAExperts`): the adapters of a
-:class:`moelab.LoRABank` are folded into the same tiles instead of going through HBM as [T,K,2I] and [T,K,H]
-deltas. A tile's rows may carry different adapters, so the bank is used *stacked*: column
-``j = adapter * R_PAD + r`` of a rank vector (and row j of the stacked B^T) belongs to rank ``r`` of adapter
-``adapter``, and a row's rank vector is zero outside its own adapter's block. One dot with the stacked B then
-expands every row with its own adapter.
+With a fused LoRA bank (``LORA``) the epilogues also expand the bank's rank vectors, which
+``moelab/kernels/fused_lora.py`` shrinks and describes; its :class:`~moelab.kernels.fused_lora.TileLoRA` or
+:class:`~moelab.kernels.fused_lora.DecodeLoRA` hands the launchers below their LoRA operands.
 
-    _lora_shrink_kernel (W13)  s13[p] = [A_up x[t] | A_gate x[t]] of row p's adapter, stacked  [R, 2, L_PAD*R_PAD]
-    gemm1 epilogue             acc_up += s13_up[p] B_up^T, acc_gate += s13_gate[p] B_gate^T, before SwiGLU
-    _lora_shrink_kernel (W2)   s2[p] = A_down act[p] * w[slot] / bf16(w[slot]), stacked       [R, L_PAD*R_PAD]
-    gemm2 epilogue             acc += s2[p] B_down^T
-
-R is the number of rows the live tiles can reach. The GEMMs read their tile's rank vectors and stacked B^T before
-the K loop, so the loop hides that latency (loaded in the epilogue it cost +122/+161 µs at T=16384 on the H200),
-and run the small expand dots after it. The factor ``w / bf16(w)`` turns the bf16 routing weight the
-finalize applies into the caller's weight for the LoRA term, as vLLM's flow weights its W2 delta. Rank vectors
-are accumulated in fp32 and rounded to the input dtype, like vLLM's. The W13 shrink marks the tiles that hold any
-adapter (``tile_flags``); the other tiles skip every LoRA step, and a row without an adapter adds exact zeros, so
-its output is bit for bit the base path's as long as the bank is finite (0 * inf is NaN; ``LoRABank`` rejects
-non-finite values).
-
-Decode (``LORA_DECODE``, small batches; ``triton_backend._pipeline`` decides) needs no shrink launch of its own:
-
-    _decode_segments_w13_shrink_kernel  program 0 builds the segments; the others write s13 by *slot*, each for a
-                                        few rank columns of the slot's adapter, and zero the slot's s2 row
-                                                                                                [T*K, 2, L_PAD*R_PAD]
-    gemm1 epilogue                      expands as above, then adds this column block's share of the W2 shrink,
-                                        A_down[:, cols] act[p, cols], to s2 by slot (fp32 atomics) [T*K, L_PAD*R_PAD]
-    gemm2                               reads s2 by slot, times w / bf16(w), rounds, expands as above
-
-Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags). The atomics make the fp32 order of
-the W2 shrink's sum over column blocks vary from run to run (the LoRA term of a row may differ in its last bit);
-rows without an adapter never touch them.
+The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choose_config` picks the tiles.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels._common import shrink_step, to_output, wait_for_previous_kernel
-from moelab.kernels.segments import one_chunk_segments
+from moelab import _runtime
+from moelab.kernels._common import dot_flags, to_output, wait_for_previous_kernel
+from moelab.kernels.fused_lora import (
+    DecodeLoRA,
+    TileLoRA,
+    caller_weight_ratio,
+    lora_expand,
+    own_adapter_blocks,
+    stacked_a,
+    stacked_b,
+    stacked_s,
+)
+from moelab.permutation import Segments, cdiv
+
+__all__ = ["GemmConfig", "choose_config", "gemm1_swiglu", "gemm2"]
 
 
-@triton.jit
-def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
-    """Adapter slot of each row, int32 [BLOCK_M]; -1 for no adapter, a dead row, or an id outside the bank."""
-    adapter = tl.load(lora_ids_ptr + tokens, mask=row_ok, other=-1).to(tl.int32)
-    return tl.where((adapter >= 0) & (adapter < num_loras), adapter, -1)
+# ---------------------------------------------------------------------------------------------- configs
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # = the tile of the permuted space
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
 
 
-@triton.jit
-def _own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Each row's adapter (:func:`_row_adapters`), whether the tile holds any, and the mask of each row's own block
-    of stacked columns, bool [BLOCK_M, L_PAD*R_PAD] (all False in a tile without an adapter)."""
-    adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
-    has_lora = tl.max(adapters, axis=0) >= 0
-    j = tl.arange(0, L_PAD * R_PAD)
-    return adapters, has_lora, tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
+CONFIG_FILE = Path(__file__).with_name("moe_gemm_configs.json")
+#: (max rows per expert, config) ascending; tuned on a GPU by scripts/tune_moe.py.
+CONFIG_BUCKETS = [(b["max_rows_per_expert"], GemmConfig(*b["config"]))
+                  for b in json.loads(CONFIG_FILE.read_text())["buckets"]]
+#: Shared memory a config may pipeline through (H200: 228 KB per SM; leave room for the epilogue).
+_SMEM_BUDGET = 200 * 1024
+#: ... and with the fused LoRA's expand operands beside the pipeline (the H200 refuses kernels past 227 KB).
+_SMEM_BUDGET_LORA = 216 * 1024
 
 
-@triton.jit
-def _stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Stacked A^T of this expert, bank ``A [L, E_local, max_rank, D]``: the offset of column j's row and whether
-    it exists (int64 [L_PAD*R_PAD], bool), plus the adapter of each column."""
-    j = tl.arange(0, L_PAD * R_PAD)
-    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
-    a_cols = (adapter * num_local_experts + expert) * max_rank * D + rank * D
-    return a_cols, (adapter < num_loras) & (rank < max_rank), adapter
+def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
+                  dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0) -> GemmConfig:
+    """Tile sizes by rows per local expert, from ``moe_gemm_configs.json``. Decode is weight-bandwidth bound
+    (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for tensor-core reuse).
+    fp32 operands take twice the shared memory per stage, so the pipeline depth shrinks to fit.
+
+    ``lora_columns``: the fused LoRA's stacked width. On Hopper, tiles of BLOCK_M >= 64 (wgmma) keep GEMM1's
+    expand operands, [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T, in shared memory beside the
+    pipeline's stages (measured: 196608 B + 16384 B for 16 columns at 128x128x64, 4 stages), so the pipeline
+    gives up stages for them; the BLOCK_M = 16 decode tiles showed no such growth."""
+    if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
+        return GemmConfig(16, 32, 32, 4, 1)
+    rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
+    cfg = next(c for limit, c in CONFIG_BUCKETS if rows_per_expert <= limit)
+    itemsize = torch.finfo(dtype).bits // 8
+    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
+    stages = max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+    if lora_columns and cfg.block_m >= 64:
+        expand_operands = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize
+        stages = max(1, min(stages, (_SMEM_BUDGET_LORA - expand_operands) // per_stage))
+    return GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
 
 
-@triton.jit
-def _caller_weight_ratio(weights_ptr, slots, has):
-    """``w[slot] / bf16(w[slot])`` per row (0 where ``has`` is False or the bf16 weight is 0), fp32 [BLOCK_M].
-    bf16(w) is rounded to nearest even, as the packing and the finalize's ``ROUND_WEIGHTS`` round it."""
-    w = tl.load(weights_ptr + slots, mask=has, other=0.0).to(tl.float32)
-    w_bf16 = to_output(w, tl.bfloat16).to(tl.float32)
-    return tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
-
-
-@triton.jit
-def _lora_shrink_kernel(
-    in_ptr, a0_ptr, a1_ptr, out_ptr, tile_flags_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr, weights_ptr,
-    D, top_k, num_local_experts, num_loras, max_rank, stride_in,
-    GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr, WRITE_FLAGS: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    L_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
-):
-    """One program per live tile of the GEMMs' rows: stacked rank vectors ``A_j @ in[row]`` of each row's adapter,
-    [BLOCK_M, NUM_SLICES, L_PAD*R_PAD] in the input dtype (fp32 accumulation), zero outside its block.
-
-    GATHER: row p reads ``in[token of p]`` (x, W13), else ``in[p]`` (the permuted act, W2). Banks ``A [L, E_local,
-    max_rank, D]`` contiguous. WEIGHTED: times ``w[slot] / bf16(w[slot])`` (see the module docstring).
-    WRITE_FLAGS: store whether the tile holds any adapter (tiles without one are skipped, here and in the GEMMs).
-    """
-    wait_for_previous_kernel(USE_GDC)
-    pid_m = tl.program_id(0)
-    expert = tl.load(block_group_ptr + pid_m)
-    if expert < 0:  # past the live rows: the GEMMs read nothing here
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(row_to_slot_ptr + rows)
-    row_ok = slots >= 0
-    slots = tl.where(row_ok, slots, 0).to(tl.int64)
-    adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
-    tile_has_lora = tl.max(adapters, axis=0) >= 0
-    if WRITE_FLAGS:
-        tl.store(tile_flags_ptr + pid_m, tile_has_lora.to(tl.int32))
-    if tile_has_lora:
-        a_cols, a_ok, adapter = _stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD, R_PAD)
-        in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        in_ptrs = in_ptr + in_rows[:, None] * stride_in + ks[None, :]
-        acc0 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
-        for k0 in range(0, tl.cdiv(D, BLOCK_K)):
-            k = ks + k0 * BLOCK_K
-            k_ok = k < D
-            xt = tl.load(in_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            a_offs = a_cols[None, :] + k[:, None]  # [BLOCK_K, L_PAD*R_PAD]
-            acc0, acc1 = shrink_step(xt, a0_ptr, a1_ptr, a_offs, k_ok[:, None] & a_ok[None, :], acc0, acc1,
-                                     NUM_SLICES, DOT_F32, DOT_PRECISION)
-            in_ptrs += BLOCK_K
-        own = adapter[None, :] == adapters[:, None]  # [BLOCK_M, L_PAD*R_PAD]
-        if WEIGHTED:
-            acc0 = acc0 * _caller_weight_ratio(weights_ptr, slots, adapters >= 0)[:, None]
-        j = tl.arange(0, L_PAD * R_PAD)
-        out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * L_PAD * R_PAD) + j[None, :]
-        tl.store(out, to_output(tl.where(own, acc0, 0.0), out_ptr.dtype.element_ty))
-        if NUM_SLICES == 2:
-            tl.store(out + L_PAD * R_PAD, to_output(tl.where(own, acc1, 0.0), out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _decode_segments_w13_shrink_kernel(
-    values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
-    num_slots, offset, num_groups, num_rows, num_blocks,
-    x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
-    L_PAD: tl.constexpr, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
-):
-    """Decode (one chunk of slots): program 0 builds the segments (:func:`one_chunk_segments`, ids unpacked), every
-    other program shrinks one slot for COLS of its adapter's 2*R_PAD [up | gate] rank columns, in the same launch.
-
-    s13 [slots, 2, L_PAD*R_PAD] (input dtype, fp32 accumulation) is written by *slot* and only in the block of the
-    slot's adapter (GEMM1 reads nothing else); the slot's first program zeroes that block of s2 [slots,
-    L_PAD*R_PAD] (fp32) for GEMM1's atomics. Slots without an adapter or a local expert write nothing. BLOCK_K >= H
-    reads x and the A rows in one step (a loop of dependent loads costs ~1 µs a step at decode).
-    """
-    wait_for_previous_kernel(USE_GDC)
-    pid = tl.program_id(0)
-    if pid == 0:
-        one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots,
-                           offset, num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
-    else:
-        slot = (pid - 1) // (2 * R_PAD // COLS)
-        part = (pid - 1) % (2 * R_PAD // COLS)
-        c = part * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
-        expert = tl.load(values_ptr + slot).to(tl.int32) - offset
-        token = (slot // top_k).to(tl.int64)
-        adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
-        if (expert >= 0) & (expert < num_groups) & (adapter >= 0) & (adapter < num_loras):
-            is_gate, rank = c // R_PAD, c % R_PAD
-            a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
-            a_base = tl.where(is_gate == 1, gate_a_ptr + a_rows, up_a_ptr + a_rows)
-            ok = rank < max_rank
-            acc = tl.zeros((COLS,), dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < H
-                xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
-                a = tl.load(a_base[:, None] + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-                acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
-            out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD + rank
-            tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
-            if part == 0:
-                r = tl.arange(0, R_PAD)
-                tl.store(s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD + r,
-                         tl.zeros((R_PAD,), dtype=tl.float32))
-
-
-@triton.jit
-def _stacked_b(b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, max_rank, tile_has_lora,
-               L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """The stacked B^T tile [L_PAD*R_PAD, BLOCK_N] of this expert (zeros where ``tile_has_lora`` is False, read
-    nothing then); B banks ``[L, E_local, D_out, max_rank]``."""
-    j = tl.arange(0, L_PAD * R_PAD)
-    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
-    b_offs = (adapter * num_local_experts + expert)[:, None] * D_out * max_rank + cols[None, :] * max_rank
-    b_mask = ((adapter < num_loras) & (rank < max_rank))[:, None] & col_ok[None, :]
-    b_mask = tl.where(tile_has_lora, b_mask, False)  # (a scalar & a block mask breaks the interpreter)
-    return tl.load(b_ptr + b_offs + rank[:, None], mask=b_mask, other=0.0)
-
-
-@triton.jit
-def _stacked_s(s_ptr, rows, row_width, tile_has_lora, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """The tile's stacked rank vectors [BLOCK_M, L_PAD*R_PAD] at ``s_ptr`` (rows ``row_width`` apart; zeros where
-    ``tile_has_lora`` is False, read nothing then)."""
-    j = tl.arange(0, L_PAD * R_PAD)
-    ptrs = s_ptr + rows.to(tl.int64)[:, None] * row_width + j[None, :]
-    every = (rows >= 0)[:, None] & (j >= 0)[None, :]
-    return tl.load(ptrs, mask=tl.where(tile_has_lora, every, False), other=0.0)
-
-
-@triton.jit
-def _lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + s @ b (the stacked rank vectors times the stacked B^T)."""
-    if DOT_F32:
-        s, b = s.to(tl.float32), b.to(tl.float32)
-    return tl.dot(s, b, acc, input_precision=DOT_PRECISION)
-
+# ---------------------------------------------------------------------------------------------- kernels
 
 @triton.jit
 def _gemm1_swiglu_kernel(
@@ -264,21 +130,21 @@ def _gemm1_swiglu_kernel(
     up_ptrs = gate_ptrs + I * stride_w_n
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
         if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
-            _, has_lora, own = _own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
+            _, has_lora, own = own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
             j = tl.arange(0, L_PAD * R_PAD)
             s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
             s_up = tl.load(s_ptrs, mask=own, other=0.0)
             s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
-            a_cols, a_ok, _ = _stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
+            a_cols, a_ok, _ = stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
             a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
             a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-            s_up = _stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-            s_gate = _stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            s_up = stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            s_gate = stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
         bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
-        b_up = _stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
-        b_gate = _stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
+        b_up = stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
+        b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
@@ -305,14 +171,14 @@ def _gemm1_swiglu_kernel(
         acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
     if LORA:
         if has_lora:  # W13 LoRA, [up | gate] rank vectors, expanded before SwiGLU
-            acc_up = _lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
-            acc_gate = _lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
+            acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
+            acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:
         if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
-            part = _lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
+            part = lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
             s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
             tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
 
@@ -355,15 +221,15 @@ def _gemm2_kernel(
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
-            adapters, has_lora, own = _own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
+            adapters, has_lora, own = own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
                                                           R_PAD)
             j = tl.arange(0, L_PAD * R_PAD)
             s2_sum = tl.load(s2_ptr + slots[:, None] * (L_PAD * R_PAD) + j[None, :], mask=own, other=0.0)
-            ratio = _caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+            ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
         else:
             has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-            s_down = _stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-        b_down = _stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
+            s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+        b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
                             L_PAD, R_PAD)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
@@ -383,5 +249,53 @@ def _gemm2_kernel(
         if LORA_DECODE:  # the W2 rank vectors: weighted, rounded to the input dtype
             s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
-            acc = _lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
+            acc = lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+#: GEMM1's LoRA operands when no bank is fused (never read: ``LORA`` is False).
+_GEMM1_NO_LORA = ("s13_ptr", "tile_flags_ptr", "up_b_ptr", "gate_b_ptr", "lora_ids_ptr", "down_a_ptr", "s2_ptr")
+_GEMM2_NO_LORA = ("s2_ptr", "tile_flags_ptr", "down_b_ptr", "row_to_slot_ptr", "lora_ids_ptr", "weights_ptr")
+_NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
+
+
+def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
+                 config: GemmConfig, delta: torch.Tensor | None = None, lora: TileLoRA | DecodeLoRA | None = None,
+                 dead_fill: float = 0.0, pdl: dict | None = None) -> torch.Tensor:
+    """``act`` [R1, I] = SwiGLU of GEMM1 over the rows ``segments`` reaches (tile ``config.block_m``); rows past
+    them are left as they are. ``x`` [T, H] (unit column stride), ``w13`` [E_local, 2I, H] HF order,
+    ``delta`` contiguous [T*K, 2I] [up | gate] or None, ``lora`` the fused bank's operands or None; ``pdl``: the
+    launch options of :func:`moelab._runtime.pdl_launch`."""
+    I, H = w13.shape[1] // 2, w13.shape[2]
+    reach = segments.row_to_slot.numel()
+    lora_args = lora.gemm1_args(x) if lora is not None else dict.fromkeys(_GEMM1_NO_LORA, x) | _NO_BANK
+    _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
+        x_ptr=x, w13_ptr=w13, delta_ptr=delta if delta is not None else x, act_ptr=act,
+        row_to_slot_ptr=segments.row_to_slot, block_group_ptr=segments.block_group,
+        num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I, top_k=top_k,
+        stride_x_t=x.stride(0), stride_w_e=w13.stride(0), stride_w_n=w13.stride(1),
+        stride_d_slot=2 * I if delta is not None else 0, stride_act_r=act.stride(0), **lora_args,
+        HAS_DELTA=delta is not None, **dot_flags(x.dtype), DEAD_FILL=dead_fill,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=H % config.block_k == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
+    return act
+
+
+def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, config: GemmConfig,
+          lora: TileLoRA | DecodeLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None) -> torch.Tensor:
+    """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
+    rows ``segments`` reaches (unweighted; plus the fused bank's W2 term with ``lora``)."""
+    H, I = w2.shape[1], w2.shape[2]
+    reach = segments.row_to_slot.numel()
+    lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
+        "top_k": 0}
+    _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
+        act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
+        num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,
+        stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
+        **lora_args, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
+    return out

@@ -156,10 +156,10 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
 @dataclass
 class OneChunkPlan:
     """Buffers and launch arguments of the one-program segments (:func:`one_chunk_segments`), for a launch that runs
-    it as one of its programs (the fused LoRA decode kernel); ``args`` go first, ``meta`` are the constexprs."""
+    it as one of its programs (the fused LoRA decode kernel): ``args`` by name, ``meta`` the constexprs."""
 
     segments: Segments
-    args: tuple
+    args: dict
     meta: dict
     num_warps: int
 
@@ -180,7 +180,9 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
     slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, g_bins])
     return OneChunkPlan(
         Segments(slot_to_row, row_to_slot, block_group, tile, num_groups),
-        (values, scratch, slot_to_row, row_to_slot, block_group, n, offset, num_groups, rows, rows // tile),
+        dict(values_ptr=values, scratch_ptr=scratch, slot_to_row_ptr=slot_to_row, row_to_slot_ptr=row_to_slot,
+             block_group_ptr=block_group, num_slots=n, offset=offset, num_groups=num_groups, num_rows=rows,
+             num_blocks=rows // tile),
         dict(TILE=tile, CHUNK=chunk, G_BINS=g_bins, PACKED=packed, CB=max(1, 4096 // g_bins)),
         # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4
         4 if chunk > 256 else 2)
@@ -203,7 +205,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         return build_segments(ids.long() - offset, num_groups, tile)
     plan = plan_one_chunk(values, num_groups, tile, offset, packed=packed)
     if plan is not None:
-        _segments_one_chunk_kernel[(1,)](*plan.args, **plan.meta, num_warps=plan.num_warps,
+        _segments_one_chunk_kernel[(1,)](**plan.args, **plan.meta, num_warps=plan.num_warps,
                                          **_runtime.pdl_launch(device=values.device))
         return plan.segments
     device = values.device

@@ -34,7 +34,8 @@ def unpermute_activation_triton(act_permuted: torch.Tensor, e2p: torch.Tensor) -
         return out
     block_i = min(1024, next_pow2(I))
     _unpermute_activation_kernel[(n, cdiv(I, block_i))](
-        act_permuted, e2p, out, act_permuted.shape[0], I, act_permuted.stride(0), out.stride(0), BLOCK_I=block_i,
+        act_ptr=act_permuted, e2p_ptr=e2p, out_ptr=out, num_rows=act_permuted.shape[0], I=I,
+        stride_act_r=act_permuted.stride(0), stride_out_r=out.stride(0), BLOCK_I=block_i,
         num_warps=4 if block_i >= 512 else 1,
     )
     return out

@@ -1,0 +1,377 @@
+"""Fused LoRA: the adapters of a :class:`moelab.LoRABank` folded into the routed MoE's grouped GEMMs
+(``moelab/kernels/moe_gemm.py``, the triton backend's path for :class:`moelab.LoRAExperts`), instead of going
+through HBM as [T,K,2I] and [T,K,H] deltas. This file holds the shrink kernels, the device functions the GEMMs'
+LoRA steps call, and one small object per mode that carries the GEMMs' LoRA operands.
+
+A tile's rows may carry different adapters, so the bank is used *stacked*: column ``j = adapter * R_PAD + r`` of a
+rank vector (and row j of the stacked B^T) belongs to rank ``r`` of adapter ``adapter``, and a row's rank vector is
+zero outside its own adapter's block. One dot with the stacked B then expands every row with its own adapter.
+
+Tiles (:class:`TileLoRA`, prefill; rank vectors by *permuted row*, R = rows the live tiles can reach):
+
+    shrink_w13_tiles     s13[p] = [A_up x[t] | A_gate x[t]] of row p's adapter, stacked  [R, 2, L_PAD*R_PAD]
+    gemm1 epilogue       acc_up += s13_up[p] B_up^T, acc_gate += s13_gate[p] B_gate^T, before SwiGLU
+    shrink_w2_tiles      s2[p] = A_down act[p] * w[slot] / bf16(w[slot]), stacked        [R, L_PAD*R_PAD]
+    gemm2 epilogue       acc += s2[p] B_down^T
+
+The GEMMs read their tile's rank vectors and stacked B^T before the K loop, so the loop hides that latency (loaded
+in the epilogue it cost +122/+161 µs at T=16384 on the H200), and run the small expand dots after it. The factor
+``w / bf16(w)`` turns the bf16 routing weight the finalize applies into the caller's weight for the LoRA term, as
+vLLM's flow weights its W2 delta. Rank vectors are accumulated in fp32 and rounded to the input dtype, like vLLM's.
+The W13 shrink marks the tiles that hold any adapter (``tile_flags``); the other tiles skip every LoRA step, and a
+row without an adapter adds exact zeros, so its output is bit for bit the base path's as long as the bank is finite
+(0 * inf is NaN; ``LoRABank`` rejects non-finite values).
+
+Decode (:class:`DecodeLoRA`, small batches; rank vectors by *slot*) needs no shrink launch of its own:
+
+    decode_segments_w13_shrink  program 0 builds the segments; the others write s13 by slot, each for a few rank
+                                columns of the slot's adapter, and zero the slot's s2 row     [T*K, 2, L_PAD*R_PAD]
+    gemm1 epilogue              expands as above, then adds this column block's share of the W2 shrink,
+                                A_down[:, cols] act[p, cols], to s2 by slot (fp32 atomics)     [T*K, L_PAD*R_PAD]
+    gemm2                       reads s2 by slot, times w / bf16(w), rounds, expands as above
+
+Both GEMMs find a tile's adapters from ``lora_ids`` themselves (no tile flags). The atomics make the fp32 order of
+the W2 shrink's sum over column blocks vary from run to run (the LoRA term of a row may differ in its last bit);
+rows without an adapter never touch them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from moelab import _runtime
+from moelab.kernels._common import dot_flags, shrink_step, to_output, wait_for_previous_kernel
+from moelab.kernels.segments import one_chunk_segments, plan_one_chunk
+from moelab.permutation import Segments, next_pow2
+
+if TYPE_CHECKING:
+    from moelab.lora import LoRABank
+
+__all__ = ["TileLoRA", "DecodeLoRA", "shrink_w13_tiles", "shrink_w2_tiles", "decode_segments_w13_shrink"]
+
+
+# ---------------------------------------------------------------------------------------------- device functions
+
+@triton.jit
+def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
+    """Adapter slot of each row, int32 [BLOCK_M]; -1 for no adapter, a dead row, or an id outside the bank."""
+    adapter = tl.load(lora_ids_ptr + tokens, mask=row_ok, other=-1).to(tl.int32)
+    return tl.where((adapter >= 0) & (adapter < num_loras), adapter, -1)
+
+
+@triton.jit
+def own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Each row's adapter (:func:`_row_adapters`), whether the tile holds any, and the mask of each row's own block
+    of stacked columns, bool [BLOCK_M, L_PAD*R_PAD] (all False in a tile without an adapter)."""
+    adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
+    has_lora = tl.max(adapters, axis=0) >= 0
+    j = tl.arange(0, L_PAD * R_PAD)
+    return adapters, has_lora, tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
+
+
+@triton.jit
+def stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """Stacked A^T of this expert, bank ``A [L, E_local, max_rank, D]``: the offset of column j's row and whether
+    it exists (int64 [L_PAD*R_PAD], bool), plus the adapter of each column."""
+    j = tl.arange(0, L_PAD * R_PAD)
+    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
+    a_cols = (adapter * num_local_experts + expert) * max_rank * D + rank * D
+    return a_cols, (adapter < num_loras) & (rank < max_rank), adapter
+
+
+@triton.jit
+def caller_weight_ratio(weights_ptr, slots, has):
+    """``w[slot] / bf16(w[slot])`` per row (0 where ``has`` is False or the bf16 weight is 0), fp32 [BLOCK_M].
+    bf16(w) is rounded to nearest even, as the packing and the finalize's ``ROUND_WEIGHTS`` round it."""
+    w = tl.load(weights_ptr + slots, mask=has, other=0.0).to(tl.float32)
+    w_bf16 = to_output(w, tl.bfloat16).to(tl.float32)
+    return tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    in_ptr, a0_ptr, a1_ptr, out_ptr, tile_flags_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr, weights_ptr,
+    D, top_k, num_local_experts, num_loras, max_rank, stride_in,
+    GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr, WRITE_FLAGS: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    L_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """One program per live tile of the GEMMs' rows: stacked rank vectors ``A_j @ in[row]`` of each row's adapter,
+    [BLOCK_M, NUM_SLICES, L_PAD*R_PAD] in the input dtype (fp32 accumulation), zero outside its block.
+
+    GATHER: row p reads ``in[token of p]`` (x, W13), else ``in[p]`` (the permuted act, W2). Banks ``A [L, E_local,
+    max_rank, D]`` contiguous. WEIGHTED: times ``w[slot] / bf16(w[slot])`` (see the module docstring).
+    WRITE_FLAGS: store whether the tile holds any adapter (tiles without one are skipped, here and in the GEMMs).
+    """
+    wait_for_previous_kernel(USE_GDC)
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_group_ptr + pid_m)
+    if expert < 0:  # past the live rows: the GEMMs read nothing here
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(row_to_slot_ptr + rows)
+    row_ok = slots >= 0
+    slots = tl.where(row_ok, slots, 0).to(tl.int64)
+    adapters = _row_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras)
+    tile_has_lora = tl.max(adapters, axis=0) >= 0
+    if WRITE_FLAGS:
+        tl.store(tile_flags_ptr + pid_m, tile_has_lora.to(tl.int32))
+    if tile_has_lora:
+        a_cols, a_ok, adapter = stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD, R_PAD)
+        in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        in_ptrs = in_ptr + in_rows[:, None] * stride_in + ks[None, :]
+        acc0 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+            k = ks + k0 * BLOCK_K
+            k_ok = k < D
+            xt = tl.load(in_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_offs = a_cols[None, :] + k[:, None]  # [BLOCK_K, L_PAD*R_PAD]
+            acc0, acc1 = shrink_step(xt, a0_ptr, a1_ptr, a_offs, k_ok[:, None] & a_ok[None, :], acc0, acc1,
+                                     NUM_SLICES, DOT_F32, DOT_PRECISION)
+            in_ptrs += BLOCK_K
+        own = adapter[None, :] == adapters[:, None]  # [BLOCK_M, L_PAD*R_PAD]
+        if WEIGHTED:
+            acc0 = acc0 * caller_weight_ratio(weights_ptr, slots, adapters >= 0)[:, None]
+        j = tl.arange(0, L_PAD * R_PAD)
+        out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * L_PAD * R_PAD) + j[None, :]
+        tl.store(out, to_output(tl.where(own, acc0, 0.0), out_ptr.dtype.element_ty))
+        if NUM_SLICES == 2:
+            tl.store(out + L_PAD * R_PAD, to_output(tl.where(own, acc1, 0.0), out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _decode_segments_w13_shrink_kernel(
+    values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
+    num_slots, offset, num_groups, num_rows, num_blocks,
+    x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
+    L_PAD: tl.constexpr, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """Decode (one chunk of slots): program 0 builds the segments (:func:`one_chunk_segments`, ids unpacked), every
+    other program shrinks one slot for COLS of its adapter's 2*R_PAD [up | gate] rank columns, in the same launch.
+
+    s13 [slots, 2, L_PAD*R_PAD] (input dtype, fp32 accumulation) is written by *slot* and only in the block of the
+    slot's adapter (GEMM1 reads nothing else); the slot's first program zeroes that block of s2 [slots,
+    L_PAD*R_PAD] (fp32) for GEMM1's atomics. Slots without an adapter or a local expert write nothing. BLOCK_K >= H
+    reads x and the A rows in one step (a loop of dependent loads costs ~1 µs a step at decode).
+    """
+    wait_for_previous_kernel(USE_GDC)
+    pid = tl.program_id(0)
+    if pid == 0:
+        one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots,
+                           offset, num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
+    else:
+        slot = (pid - 1) // (2 * R_PAD // COLS)
+        part = (pid - 1) % (2 * R_PAD // COLS)
+        c = part * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
+        expert = tl.load(values_ptr + slot).to(tl.int32) - offset
+        token = (slot // top_k).to(tl.int64)
+        adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
+        if (expert >= 0) & (expert < num_groups) & (adapter >= 0) & (adapter < num_loras):
+            is_gate, rank = c // R_PAD, c % R_PAD
+            a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
+            a_base = tl.where(is_gate == 1, gate_a_ptr + a_rows, up_a_ptr + a_rows)
+            ok = rank < max_rank
+            acc = tl.zeros((COLS,), dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < H
+                xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+                a = tl.load(a_base[:, None] + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+            out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD + rank
+            tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
+            if part == 0:
+                r = tl.arange(0, R_PAD)
+                tl.store(s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD + r,
+                         tl.zeros((R_PAD,), dtype=tl.float32))
+
+
+@triton.jit
+def stacked_b(b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, max_rank, tile_has_lora,
+               L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """The stacked B^T tile [L_PAD*R_PAD, BLOCK_N] of this expert (zeros where ``tile_has_lora`` is False, read
+    nothing then); B banks ``[L, E_local, D_out, max_rank]``."""
+    j = tl.arange(0, L_PAD * R_PAD)
+    adapter, rank = (j // R_PAD).to(tl.int64), (j % R_PAD).to(tl.int64)
+    b_offs = (adapter * num_local_experts + expert)[:, None] * D_out * max_rank + cols[None, :] * max_rank
+    b_mask = ((adapter < num_loras) & (rank < max_rank))[:, None] & col_ok[None, :]
+    b_mask = tl.where(tile_has_lora, b_mask, False)  # (a scalar & a block mask breaks the interpreter)
+    return tl.load(b_ptr + b_offs + rank[:, None], mask=b_mask, other=0.0)
+
+
+@triton.jit
+def stacked_s(s_ptr, rows, row_width, tile_has_lora, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """The tile's stacked rank vectors [BLOCK_M, L_PAD*R_PAD] at ``s_ptr`` (rows ``row_width`` apart; zeros where
+    ``tile_has_lora`` is False, read nothing then)."""
+    j = tl.arange(0, L_PAD * R_PAD)
+    ptrs = s_ptr + rows.to(tl.int64)[:, None] * row_width + j[None, :]
+    every = (rows >= 0)[:, None] & (j >= 0)[None, :]
+    return tl.load(ptrs, mask=tl.where(tile_has_lora, every, False), other=0.0)
+
+
+@triton.jit
+def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + s @ b (the stacked rank vectors times the stacked B^T)."""
+    if DOT_F32:
+        s, b = s.to(tl.float32), b.to(tl.float32)
+    return tl.dot(s, b, acc, input_precision=DOT_PRECISION)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fused-LoRA scratch buffer, NaN-poisoned in debug mode (``moelab.set_debug``) so that a read of a value no
+    kernel wrote shows up in the output."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    return buf.fill_(float("nan")) if _runtime.DEBUG_DEAD_ROWS else buf
+
+
+def _bank_sizes(bank: LoRABank, num_local_experts: int) -> dict:
+    return dict(num_local_experts=num_local_experts, num_loras=bank.max_loras, max_rank=bank.max_rank)
+
+
+@dataclass(frozen=True)
+class TileLoRA:
+    """The GEMMs' LoRA operands in the tile mode (prefill): rank vectors by permuted row, written by
+    :func:`shrink_w13_tiles` (``s13``) and :func:`shrink_w2_tiles` (``s2``), and the tiles holding an adapter."""
+
+    bank: LoRABank
+    lora_ids: torch.Tensor  # int [T], -1 = none
+    expert_weights: torch.Tensor  # float [T, K], the caller's
+    segments: Segments  # the GEMMs' rows
+    top_k: int
+    num_local_experts: int
+    s13_by_row: torch.Tensor  # [R, 2, L_PAD*R_PAD] input dtype, stacked [up | gate]
+    s2_by_row: torch.Tensor  # [R, L_PAD*R_PAD] input dtype, weighted
+    tile_flags: torch.Tensor  # int32 [live tiles]: the tile holds a row with an adapter
+    shrink_meta: dict  # constexprs and launch options of both shrink launches
+
+    def gemm1_args(self, unused: torch.Tensor) -> dict:
+        bank = self.bank
+        l_pad, r_pad = bank.stacked_pads
+        return dict(s13_ptr=self.s13_by_row, tile_flags_ptr=self.tile_flags, up_b_ptr=bank.up_b,
+                    gate_b_ptr=bank.gate_b, **_bank_sizes(bank, self.num_local_experts), lora_ids_ptr=unused,
+                    down_a_ptr=unused, s2_ptr=unused, LORA=True, L_PAD=l_pad, R_PAD=r_pad)
+
+    def gemm2_args(self, unused: torch.Tensor) -> dict:
+        bank = self.bank
+        l_pad, r_pad = bank.stacked_pads
+        return dict(s2_ptr=self.s2_by_row, tile_flags_ptr=self.tile_flags, down_b_ptr=bank.down_b,
+                    **_bank_sizes(bank, self.num_local_experts), row_to_slot_ptr=unused, lora_ids_ptr=unused,
+                    weights_ptr=unused, top_k=0, LORA=True, L_PAD=l_pad, R_PAD=r_pad)
+
+
+@dataclass(frozen=True)
+class DecodeLoRA:
+    """The GEMMs' LoRA operands in the decode mode: rank vectors by slot, s13 written by
+    :func:`decode_segments_w13_shrink`, s2 summed by GEMM1's epilogue (fp32 atomics) and read by GEMM2."""
+
+    bank: LoRABank
+    lora_ids: torch.Tensor  # int [T], -1 = none
+    expert_weights: torch.Tensor  # float [T, K], the caller's
+    segments: Segments
+    top_k: int
+    num_local_experts: int
+    s13_by_slot: torch.Tensor  # [T*K, 2, L_PAD*R_PAD] input dtype, stacked [up | gate]
+    s2_by_slot: torch.Tensor  # [T*K, L_PAD*R_PAD] fp32, unweighted
+
+    def gemm1_args(self, unused: torch.Tensor) -> dict:
+        bank = self.bank
+        l_pad, r_pad = bank.stacked_pads
+        return dict(s13_ptr=self.s13_by_slot, tile_flags_ptr=unused, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b,
+                    **_bank_sizes(bank, self.num_local_experts), lora_ids_ptr=self.lora_ids, down_a_ptr=bank.down_a,
+                    s2_ptr=self.s2_by_slot, LORA=True, L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
+
+    def gemm2_args(self, unused: torch.Tensor) -> dict:
+        bank = self.bank
+        l_pad, r_pad = bank.stacked_pads
+        return dict(s2_ptr=self.s2_by_slot, tile_flags_ptr=unused, down_b_ptr=bank.down_b,
+                    **_bank_sizes(bank, self.num_local_experts), row_to_slot_ptr=self.segments.row_to_slot,
+                    lora_ids_ptr=self.lora_ids, weights_ptr=self.expert_weights, top_k=self.top_k, LORA=True,
+                    L_PAD=l_pad, R_PAD=r_pad, LORA_DECODE=True)
+
+
+def _shrink_block_k(block_m: int, columns: int, itemsize: int) -> int:
+    """BLOCK_K of the tile shrinks: 256 for decode tiles, 64 for prefill tiles (H200), smaller when a pipeline
+    stage (x tile + two stacked A tiles, ``BK * (BLOCK_M + 2 * columns)`` elements) would pass 64 KB."""
+    fits = 65536 // (itemsize * (block_m + 2 * columns))
+    return max(16, min(256 if block_m < 64 else 64, 1 << (fits.bit_length() - 1)))
+
+
+def shrink_w13_tiles(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor, expert_weights: torch.Tensor,
+                     segments: Segments, *, top_k: int, num_local_experts: int, pdl: dict) -> TileLoRA:
+    """Allocate the tile mode's rank vectors and launch the W13 shrink, one program per live tile of ``segments``
+    (whose tile is the GEMMs' BLOCK_M). ``x`` [T, H]; ``lora_ids`` int [T]; ``expert_weights`` float [T, K]."""
+    l_pad, r_pad = bank.stacked_pads
+    columns, block_m = l_pad * r_pad, segments.tile
+    live_blocks, reach = segments.block_group.numel(), segments.row_to_slot.numel()
+    lora = TileLoRA(
+        bank, lora_ids, expert_weights, segments, top_k, num_local_experts,
+        s13_by_row=_scratch((reach, 2, columns), x.dtype, x.device),
+        s2_by_row=_scratch((reach, columns), x.dtype, x.device),
+        tile_flags=torch.empty(live_blocks, dtype=torch.int32, device=x.device),
+        shrink_meta=dict(**dot_flags(x.dtype), L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=block_m,
+                         BLOCK_K=_shrink_block_k(block_m, columns, x.element_size()),
+                         num_warps=8 if block_m * columns > 128 * 64 else 4, **pdl))
+    if live_blocks:
+        _lora_shrink_kernel[(live_blocks,)](
+            in_ptr=x, a0_ptr=bank.up_a, a1_ptr=bank.gate_a, out_ptr=lora.s13_by_row, **_shrink_rows(lora),
+            D=x.shape[1], stride_in=x.stride(0), GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_FLAGS=True,
+            **lora.shrink_meta)
+    return lora
+
+
+def shrink_w2_tiles(act: torch.Tensor, lora: TileLoRA) -> None:
+    """Launch the W2 shrink of the tile mode over GEMM1's output ``act`` [R1, I] (permuted rows), weighted."""
+    if lora.tile_flags.numel():
+        _lora_shrink_kernel[(lora.tile_flags.numel(),)](
+            in_ptr=act, a0_ptr=lora.bank.down_a, a1_ptr=lora.bank.down_a, out_ptr=lora.s2_by_row, **_shrink_rows(lora),
+            D=act.shape[1], stride_in=act.stride(0), GATHER=False, NUM_SLICES=1, WEIGHTED=True, WRITE_FLAGS=False,
+            **lora.shrink_meta)
+
+
+def _shrink_rows(lora: TileLoRA) -> dict:
+    return dict(tile_flags_ptr=lora.tile_flags, row_to_slot_ptr=lora.segments.row_to_slot,
+                block_group_ptr=lora.segments.block_group, lora_ids_ptr=lora.lora_ids,
+                weights_ptr=lora.expert_weights, top_k=lora.top_k, **_bank_sizes(lora.bank, lora.num_local_experts))
+
+
+def _decode_w13_shrink_shape(H: int, r_pad: int) -> tuple[int, int]:
+    """(BLOCK_K, COLS) of the decode launch's W13 shrink: x and a program's A rows in one K step up to H = 2048 (on
+    the H200 that launch took 7.9 µs with 4 steps of 512, 3.7 with one: each dependent step waits on memory), at
+    most 4096 elements of A a program, so a slot's 2*R_PAD rank columns spread over 2*R_PAD / COLS programs."""
+    block_k = min(next_pow2(H), 2048)
+    return block_k, max(2, min(2 * r_pad, 4096 // block_k))
+
+
+def decode_segments_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor,
+                               expert_weights: torch.Tensor, *, num_local_experts: int, tile: int,
+                               local_expert_offset: int, pdl: dict) -> DecodeLoRA | None:
+    """One launch: the segments of ``topk_ids`` int [T, K] by local expert (tile ``tile``) and the W13 shrink by
+    slot. None when one program cannot build the segments (``moelab.kernels.segments.plan_one_chunk``)."""
+    plan = plan_one_chunk(topk_ids, num_local_experts, tile, local_expert_offset, packed=False)
+    if plan is None:
+        return None
+    T, K = topk_ids.shape
+    H = x.shape[1]
+    l_pad, r_pad = bank.stacked_pads
+    lora = DecodeLoRA(bank, lora_ids, expert_weights, plan.segments, K, num_local_experts,
+                      s13_by_slot=_scratch((T * K, 2, l_pad * r_pad), x.dtype, x.device),
+                      s2_by_slot=_scratch((T * K, l_pad * r_pad), torch.float32, x.device))
+    block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+    _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
+        **plan.args, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=lora.s13_by_slot,
+        s2_ptr=lora.s2_by_slot, lora_ids_ptr=lora_ids, H=H, top_k=K, num_loras=bank.max_loras,
+        max_rank=bank.max_rank, stride_x=x.stride(0), **plan.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols,
+        BLOCK_K=block_k, num_warps=plan.num_warps, **pdl)
+    return lora
