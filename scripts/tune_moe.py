@@ -6,7 +6,7 @@
 
 Each candidate is checked against the torch backend before it is timed (do_bench median, 4 input sets
 rotated). The winner of each T replaces the config of its rows-per-expert bucket in
-moelab/backends/triton_configs.json (and a copy goes to $OUT), which ``choose_config`` reads.
+moelab/kernels/moe_gemm_configs.json (and a copy goes to $OUT), which ``choose_config`` reads.
 """
 
 import argparse
@@ -19,6 +19,7 @@ import triton
 
 import moelab
 from moelab.backends import triton_backend as tb
+from moelab.kernels.moe_gemm import CONFIG_FILE, GemmConfig, choose_config
 from moelab.kernels.segments import build_segments_triton
 from moelab.lab import rel_err
 from moelab.permutation import build_segments, local_expert_of_slot
@@ -37,19 +38,19 @@ def candidates(rows_per_expert):
     else:
         grid = [(128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                 (64, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3)]
-    return [tb.GemmConfig(*c) for c in grid]
+    return [GemmConfig(*c) for c in grid]
 
 
 def record_winner(rows_per_expert, cfg):
     """Write ``cfg`` into the bucket of ``rows_per_expert`` in the package's config file (and $OUT)."""
-    table = json.loads(tb._CONFIG_FILE.read_text())
+    table = json.loads(CONFIG_FILE.read_text())
     bucket = next(b for b in table["buckets"] if rows_per_expert <= b["max_rows_per_expert"])
     bucket["config"] = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
     table["gpu"] = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     text = json.dumps(table, indent=2) + "\n"
-    tb._CONFIG_FILE.write_text(text)
+    CONFIG_FILE.write_text(text)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "triton_configs.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], CONFIG_FILE.name), "w") as f:
             f.write(text)
 
 
@@ -82,7 +83,7 @@ def main():
         print(f"T={T} segments torch {seg_ms*1e3:.1f} us, triton {seg_tr_ms*1e3:.1f} us", flush=True)
         results = []
         start = time.time()
-        default = tb.choose_config(T, K, E)  # the current file's config, timed beside the candidates
+        default = choose_config(T, K, E)  # the current file's config, timed beside the candidates
         for cfg in [default] + candidates(T * K / E):
             if time.time() - start > args.budget_s:
                 break
