@@ -25,6 +25,37 @@ except ImportError:  # e.g. macOS: no triton wheel
     HAS_TRITON = False
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string: "3.6.0+git1" -> (3, 6)."""
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_interpreter_numpy(triton_version: str, numpy_version: str | None) -> None:
+    """Triton's CPU interpreter before 3.7 fails inside every kernel with NumPy >= 2.4 ("only 0-dimensional arrays
+    can be converted to Python scalars"). A CUDA torch 2.11 pins triton 3.6, so ``pip install moelab`` next to it
+    may bring in that pair on a machine without a GPU: refuse it at import, with the fix."""
+    if numpy_version is None or _version(triton_version) >= (3, 7) or _version(numpy_version) < (2, 4):
+        return
+    raise ImportError(
+        f"moelab runs Triton kernels in Triton's CPU interpreter here (no CUDA GPU), and triton {triton_version} "
+        f"with numpy {numpy_version} cannot: Triton's interpreter before 3.7 fails with NumPy >= 2.4. "
+        f"Fix: pip install 'numpy<2.4' (or a torch whose triton is >= 3.7)")
+
+
+if HAS_TRITON and INTERPRET:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        _numpy_version = version("numpy")
+    except PackageNotFoundError:
+        _numpy_version = None
+    check_interpreter_numpy(triton.__version__, _numpy_version)
+
+
 def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
     """(major, minor) of the CUDA device, or None without CUDA."""
     if not torch.cuda.is_available():

@@ -1,8 +1,8 @@
 """The lab: run every notebook (``make lab``), and the few helpers the notebooks share.
 
-    python -m moelab.lab --out build            every notebooks/*.ipynb, in order, executed into build/
-    python -m moelab.lab --out build --smoke    tiny shapes even on a GPU (what CI and the tests run)
-    python -m moelab.lab --out build --full     full shapes even without a GPU (slow: Triton interprets)
+    python -m moelab.lab                        every notebooks/*.ipynb, in order, executed into build/lab/
+    python -m moelab.lab --smoke                tiny shapes even on a GPU (what CI and the tests run)
+    python -m moelab.lab --full                 full shapes even without a GPU (slow: Triton interprets)
     python -m moelab.lab --only 03              the notebooks whose name contains "03"
     python -m moelab.lab --break list           the planted faults of the bug hunt (moelab.faults)
     python -m moelab.lab --break sign-mask      run the notebooks with one fault planted: which assertion and
@@ -221,7 +221,8 @@ def _failure_line(error: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moelab.lab", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="build", help="folder for executed notebooks and figures (default build)")
+    parser.add_argument("--out", default="build/lab",
+                        help="where executed notebooks and figures go (default build/lab)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--smoke", dest="smoke", action="store_true", default=None,
                       help="tiny shapes (default without a CUDA GPU)")

@@ -3,11 +3,12 @@
 The test copies ``notebooks/05-*.ipynb`` into a temporary folder with ``INTERACTIVE=True`` injected after its
 ``parameters`` cell (papermill's parameterize-only step; ``SMOKE=True`` stays, so it runs in seconds), starts
 JupyterLab on 127.0.0.1 with a random token, opens the notebook in Debian's Chromium driven by Playwright
-(``executable_path="/usr/bin/chromium"``; nothing is downloaded), runs all cells from the Run menu, waits for
-the ``tokens T`` slider, presses ArrowRight on its handle and waits until the output it drives (the text and
-figure of the slider's cell, the slider itself left out) changes: the slider's readout moves, the text changes
-(and names the new ``T`` when it prints ``T = <n>``), and every figure is redrawn, neither blank nor half drawn
-(it keeps at least half of the non-white pixels it had). The screenshot lands in ``build/browser-05.png``.
+(``CHROMIUM``: ``MOELAB_CHROMIUM`` or ``chromium`` on PATH; nothing is downloaded), runs all cells from the Run
+menu, waits for the ``tokens T`` slider, presses ArrowRight on its handle and waits until the output it drives
+(the text and figure of the slider's cell, the slider itself left out) changes: the slider's readout moves, the
+text changes (and names the new ``T`` when it prints ``T = <n>``), and every figure is redrawn, neither blank
+nor half drawn (it keeps at least half of the non-white pixels it had). The screenshot lands in
+``build/test/browser-05.png``.
 
 Why the figure check: JupyterLab 4.6 with ipykernel 7 handles some widget messages on a kernel subshell thread,
 and every comm message ends with IPython's ``post_execute`` hooks, matplotlib-inline's ``flush_figures``
@@ -33,6 +34,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,9 +52,12 @@ pytestmark = pytest.mark.browser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_GLOB = "05-*.ipynb"
-SCREENSHOT = REPO_ROOT / "build" / "browser-05.png"
+SCREENSHOT = REPO_ROOT / "build" / "test" / "browser-05.png"
 
-CHROMIUM = "/usr/bin/chromium"
+#: The browser: ``MOELAB_CHROMIUM`` (a Chromium or Chrome binary, for a user without root), else Debian's
+#: ``chromium`` (or Ubuntu's ``chromium-browser``) on PATH, which ``make browser-deps`` installs.
+CHROMIUM = (os.environ.get("MOELAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+            or "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -244,8 +249,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def _require_browser() -> None:
     """Debian's Chromium, Playwright and JupyterLab are there, or the test fails (it never skips)."""
     if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (`make browser-deps`, "
-                    "i.e. apt-get install -y chromium); the browser test never downloads a browser")
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (`make browser-deps`, i.e. apt-get install "
+                    "-y chromium) or set MOELAB_CHROMIUM=/path/to/chromium; the test never downloads a browser")
     for module, what in (("playwright.sync_api", "playwright"), ("jupyterlab", "jupyterlab")):
         try:
             __import__(module)
