@@ -31,10 +31,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelab._checks import INT_DTYPES, check_same_device, check_tensor
+from moelab._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    MAX_EXPERTS,
+    check_dtype,
+    check_int,
+    check_same_device,
+    check_same_rows,
+    check_tensor,
+    dtype_name,
+)
 from moelab.backends import get_backend
 from moelab.contract import LoRAExpertsCall
-from moelab.lora import LoRABank, check_lora_routing
+from moelab.lora import LoRABank, check_lora_ids, check_lora_routing
 from moelab.moe import prepare_weights, validate_call
 from moelab.packing import check_routing
 
@@ -78,6 +88,10 @@ class LoRAExperts(nn.Module):
                  fused: bool | None = None):
         super().__init__()
         self.weights = prepare_weights(w13, w2, backend=backend)
+        E_local = self.weights.num_local_experts
+        check_int("num_experts", num_experts, low=max(1, E_local), high=MAX_EXPERTS)
+        check_int("top_k", top_k, low=1, high=num_experts)
+        check_int("local_expert_offset", local_expert_offset, low=0, high=num_experts - E_local)
         self.num_experts, self.top_k, self.local_expert_offset = num_experts, top_k, local_expert_offset
         if lora is not None:
             if not isinstance(lora, LoRABank):
@@ -87,7 +101,8 @@ class LoRAExperts(nn.Module):
             if got != want:
                 raise ValueError(f"lora: expected a bank over (E_local, H, I) = {want}, got {got}")
             if lora.dtype != self.weights.dtype:
-                raise TypeError(f"lora: expected the weights' dtype {self.weights.dtype}, got {lora.dtype}")
+                raise TypeError(f"lora: expected dtype {dtype_name(self.weights.dtype)} (that of the weights), got "
+                                f"{dtype_name(lora.dtype)}; make the bank with dtype={self.weights.dtype}")
         self.lora = lora
         self.fused = self._check_fused(fused)
 
@@ -109,10 +124,21 @@ class LoRAExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora_ids: torch.Tensor | None = None, *, has_lora: bool | None = None,
                 validate: bool = True) -> torch.Tensor:
-        T, H = hidden_states.shape[0], self.weights.hidden_size
-        output = torch.empty(T, H, dtype=hidden_states.dtype, device=hidden_states.device)
-        if self.lora is not None and lora_ids is not None:
-            check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, shape=(T,))
+        check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
+        check_dtype("hidden_states", hidden_states, self.weights.dtype, "the weights")
+        check_tensor("topk_weights", topk_weights, ndim=2)
+        check_tensor("topk_ids", topk_ids, ndim=2)
+        if lora_ids is not None:
+            if self.lora is None:
+                raise ValueError("lora_ids: this LoRAExperts has no LoRABank (lora=None), so no adapter can apply; "
+                                 "pass lora_ids=None, or build it with lora=moelab.LoRABank(...)")
+            check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, ndim=1)
+        T = check_same_rows(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids,
+                            lora_ids=lora_ids)
+        output = torch.empty(T, self.weights.hidden_size, dtype=hidden_states.dtype, device=hidden_states.device)
+        if lora_ids is not None:
+            if validate:  # every id in [-1, L) and naming a set slot, whichever path runs (one host sync)
+                check_lora_ids(self.lora, lora_ids)
             if has_lora is None and lora_ids.device.type == "cpu":
                 has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
         with_lora = self.lora is not None and lora_ids is not None and has_lora is not False
@@ -123,7 +149,7 @@ class LoRAExperts(nn.Module):
                             self.local_expert_offset, None, True, output, validate=False)
         if with_lora:
             lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
-            check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, validate)
+            check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, False)  # ids: checked above
             check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
                                self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,

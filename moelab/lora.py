@@ -27,7 +27,7 @@ import os
 import torch
 
 from moelab import _checks, _runtime
-from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
+from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor, dtype_name
 from moelab.ops import _use_triton
 from moelab.permutation import Segments, build_segments, next_pow2
 
@@ -47,7 +47,12 @@ _BANK_TENSORS = {
 
 
 def lora_scaling(alpha: float, rank: int, use_rslora: bool = False) -> float:
-    """The LoRA scale PEFT applies to ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
+    """The LoRA scale PEFT applies to ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA.
+
+    Example:
+        >>> lora_scaling(32, 16), lora_scaling(32, 16, use_rslora=True)
+        (2.0, 8.0)
+    """
     check_int("rank", rank, low=1)
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
@@ -128,6 +133,17 @@ class LoRABank:
             down_a: [E_local, r, I]; down_b: [E_local, H, r]. Any floating dtype and device: they are copied
             into the bank's, B multiplied by ``scaling`` in fp32 (or wider) first, then rounded once.
             scaling: e.g. ``lora_scaling(alpha, r, use_rslora)``.
+
+        The tensors are copied (detached: an ``nn.Parameter`` leaves no autograd graph in the bank). A transposed
+        matrix, a rank that differs between the six, or a rank above ``max_rank`` is a ``ValueError``.
+
+        Example:
+            >>> E, H, I, r = 2, 16, 8, 4
+            >>> bank = LoRABank(1, num_local_experts=E, hidden_size=H, intermediate_size=I, max_rank=8)
+            >>> bank.set(0, gate_a=torch.randn(E, r, H), gate_b=torch.randn(E, I, r), up_a=torch.randn(E, r, H),
+            ...          up_b=torch.randn(E, I, r), down_a=torch.randn(E, r, I), down_b=torch.randn(E, H, r))
+            >>> bank.ranks, list(bank.gate_a.shape)
+            ([4], [1, 2, 8, 16])
         """
         self._check_slot(slot)
         given = {"gate_a": gate_a, "gate_b": gate_b, "up_a": up_a, "up_b": up_b, "down_a": down_a, "down_b": down_b}
@@ -139,12 +155,28 @@ class LoRABank:
             check_tensor(name, t, ndim=3)
             if not t.dtype.is_floating_point:
                 raise TypeError(f"{name}: expected a floating dtype, got {str(t.dtype).replace('torch.', '')}")
+        # The values only: a bank is inference data, never part of an autograd graph (nn.Parameter inputs).
+        given = {name: t.detach() for name, t in given.items()}
+        E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
         rank = gate_a.shape[1]
+        for name, t in given.items():  # a transposed matrix, before its size is read as a rank
+            full = _BANK_TENSORS[name](E, H, I, "r")
+            r_axis = full.index("r")
+            transposed = list(full)
+            transposed[1], transposed[2] = full[2], full[1]
+            fits = [g == w or w == "r" for g, w in zip(t.shape, full)]
+            fits_t = [g == w or w == "r" for g, w in zip(t.shape, transposed)]
+            if not all(fits) and all(fits_t):
+                want = "[" + ", ".join(map(str, full)) + "]"
+                raise ValueError(f"{name}: expected shape {want} (E_local, and r the adapter's rank), got "
+                                 f"{list(t.shape)}: it looks transposed; pass {name}.transpose(1, 2)")
+            if all(fits) and name != "gate_a" and t.shape[r_axis] != rank:
+                raise ValueError(f"{name}: expected rank {rank} (that of gate_a, gate_a.shape[1]) in dimension "
+                                 f"{r_axis}, got shape {list(t.shape)}")
         if rank > self.max_rank:
             raise ValueError(f"gate_a: rank {rank} (gate_a.shape[1]) is larger than the bank's max_rank "
                              f"{self.max_rank}; make a bank with max_rank >= {rank}")
         check_int("rank", rank, low=1)
-        E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
         converted = {}
         for name, t in given.items():
             check_tensor(name, t, shape=_BANK_TENSORS[name](E, H, I, rank))
@@ -162,14 +194,28 @@ class LoRABank:
         self.ranks[slot] = rank
 
     def reset(self, slot: int) -> None:
-        """Zero ``slot``: its adapter then contributes exactly nothing."""
+        """Zero ``slot``: it holds no adapter any more (rank 0), and ids naming it are refused when validated.
+
+        Example:
+            >>> bank = LoRABank(2, num_local_experts=1, hidden_size=4, intermediate_size=4, max_rank=2)
+            >>> bank.ranks[1] = 2; bank.reset(1); bank.ranks
+            [0, 0]
+        """
         self._check_slot(slot)
         for name in _BANK_TENSORS:
             getattr(self, name)[slot].zero_()
         self.ranks[slot] = 0
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the bank to a safetensors file, sizes and ranks in its metadata."""
+        """Write the bank to a safetensors file, sizes and ranks in its metadata (read it with :meth:`load`).
+
+        Example:
+            >>> import os, tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "bank.safetensors")
+            >>> LoRABank(1, num_local_experts=1, hidden_size=4, intermediate_size=4, max_rank=2).save(path)
+            >>> LoRABank.load(path).max_rank
+            2
+        """
         from safetensors.torch import save_file
 
         meta = {"format": _BANK_FORMAT, "max_loras": self.max_loras, "num_local_experts": self.num_local_experts,
@@ -180,23 +226,73 @@ class LoRABank:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu") -> LoRABank:
-        """Read a bank written by :meth:`save` (dtype as saved) onto ``device``."""
-        from safetensors import safe_open
+        """Read a bank written by :meth:`save` (dtype as saved) onto ``device``.
 
-        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            if json.loads(meta.get("format", "null")) != _BANK_FORMAT:
-                raise ValueError(f"path: expected a file written by LoRABank.save (format {_BANK_FORMAT!r}), "
-                                 f"got format {meta.get('format')!r} in {os.fspath(path)}")
-            tensors = {name: f.get_tensor(name) for name in _BANK_TENSORS}
-        sizes = {k: json.loads(meta[k]) for k in ("max_loras", "num_local_experts", "hidden_size",
-                                                  "intermediate_size", "max_rank")}
-        bank = cls(**sizes, dtype=tensors["gate_a"].dtype, device=device)
+        The file is read with safetensors, which holds tensors and a string metadata table only, so loading runs
+        no code from the file (a pickle is refused as "not a safetensors file"). Anything that is not a bank as
+        :meth:`save` writes it raises ``ValueError`` naming the file and what is wrong: not safetensors
+        (truncated, empty, garbage), another format, a missing tensor or size, ranks not ``max_loras`` ints in
+        ``[0, max_rank]``, tensors of a non-float or mixed dtype, wrong shapes, inf/NaN, or values in a slot
+        past its rank (padding must be zero).
+
+        Example:
+            >>> import tempfile, os
+            >>> bank = LoRABank(2, num_local_experts=2, hidden_size=16, intermediate_size=8, max_rank=4)
+            >>> path = os.path.join(tempfile.mkdtemp(), "bank.safetensors")
+            >>> bank.save(path)
+            >>> LoRABank.load(path).ranks
+            [0, 0]
+        """
+        from safetensors import SafetensorError, safe_open
+
+        where = os.fspath(path)
+
+        def bad(what: str) -> ValueError:
+            return ValueError(f"path: {where} is not a LoRABank file as LoRABank.save writes it: {what}")
+
+        try:
+            with safe_open(where, framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                names = set(f.keys())
+                if meta.get("format") != json.dumps(_BANK_FORMAT):
+                    raise bad(f"expected format {_BANK_FORMAT!r} in its metadata, got {meta.get('format')!r}")
+                missing = [name for name in _BANK_TENSORS if name not in names]
+                if missing:
+                    raise bad(f"tensors {missing} are missing")
+                tensors = {name: f.get_tensor(name) for name in _BANK_TENSORS}
+        except SafetensorError as e:
+            raise bad(f"not a readable safetensors file ({e})") from None
+        try:
+            sizes = {k: json.loads(meta[k]) for k in ("max_loras", "num_local_experts", "hidden_size",
+                                                      "intermediate_size", "max_rank")}
+            ranks = json.loads(meta["ranks"])
+        except (KeyError, ValueError) as e:
+            raise bad(f"its metadata lacks or garbles a size ({type(e).__name__}: {e})") from None
+        for k, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{k}: expected a positive int, got {v!r}")
+        if (not isinstance(ranks, list) or len(ranks) != sizes["max_loras"]
+                or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= sizes["max_rank"]
+                       for r in ranks)):
+            raise bad(f"ranks: expected {sizes['max_loras']} ints in [0, max_rank={sizes['max_rank']}], got {ranks!r}")
+        dtypes = {name: t.dtype for name, t in tensors.items()}
+        if any(d not in FLOAT_DTYPES for d in dtypes.values()) or len(set(dtypes.values())) != 1:
+            raise bad(f"expected one dtype among {[dtype_name(d) for d in FLOAT_DTYPES]} for all six tensors, got "
+                      f"{ {n: dtype_name(d) for n, d in dtypes.items()} }")
+        bank = cls(**sizes, dtype=dtypes["gate_a"], device=device)
         for name, t in tensors.items():
-            check_tensor(name, t, shape=tuple(getattr(bank, name).shape))
-            _check_finite(name, t)
+            want = tuple(getattr(bank, name).shape)
+            if tuple(t.shape) != want:
+                raise bad(f"{name}: expected shape {list(want)} for these sizes, got {list(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise bad(f"{name}: holds inf or NaN")
+            r_axis = 3 if name.endswith("_b") else 2  # [L, E_local, ...]: the rank axis of B is last, of A third
+            for slot, r in enumerate(ranks):
+                if bool(t[slot].narrow(r_axis - 1, r, t.shape[r_axis] - r).any()):
+                    raise bad(f"{name}: slot {slot} of rank {r} holds non-zero values past its rank (padding must "
+                              f"be zero)")
             getattr(bank, name).copy_(t)
-        bank.ranks = [int(r) for r in json.loads(meta["ranks"])]
+        bank.ranks = list(ranks)
         return bank
 
 
@@ -307,6 +403,19 @@ def lora_shrink_expand_torch(x: torch.Tensor, a_banks: list[torch.Tensor], b_ban
 
 # ---------------------------------------------------------------------------------------------- deltas
 
+def check_lora_ids(bank: LoRABank, lora_ids: torch.Tensor) -> None:
+    """Every adapter id in ``[-1, L)`` and naming a slot that holds an adapter (``bank.ranks[id] > 0``): an id of
+    an empty slot would silently give the base output. Reads ``lora_ids`` (one host sync)."""
+    _checks.check_in_range("lora_ids", lora_ids, -1, bank.max_loras, "adapter ids", " (-1 = no adapter)")
+    if lora_ids.numel() == 0:
+        return
+    used = [i for i in torch.unique(lora_ids).tolist() if i >= 0]
+    empty = [i for i in used if bank.ranks[i] == 0]
+    if empty:
+        raise ValueError(f"lora_ids: slots {empty} hold no adapter (bank.ranks = {bank.ranks}); load one with "
+                         f"bank.set({empty[0]}, ...) or use -1 (no adapter) for those tokens")
+
+
 def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments=None):
     """Check a bank and the routing its deltas see; with ``validate`` also the adapter ids (one host sync).
     Returns (T, K)."""
@@ -331,7 +440,7 @@ def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, 
                              f"groups, got {segments.slot_to_row.numel()} slots, {segments.num_groups} groups, "
                              f"tile {segments.tile}")
     if validate:
-        _checks.check_in_range("lora_ids", lora_ids, -1, bank.max_loras, "adapter ids", " (-1 = no adapter)")
+        check_lora_ids(bank, lora_ids)
     return T, K
 
 
@@ -358,11 +467,10 @@ def _run(x, a_banks, b_banks, out, topk_ids, lora_ids, bank, local_expert_offset
 def _check_out(out, shape, dtype, device):
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor("out", out, shape=shape)
-    if out.dtype != dtype:
-        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+    check_tensor("out", out, dtypes=FLOAT_DTYPES, shape=shape)
+    _checks.check_dtype("out", out, dtype, "the input")
     if out.device != device:
-        raise ValueError(f"out: expected device {device}, got {out.device}")
+        raise ValueError(f"out: expected the inputs' device {device}, got {out.device}")
     _checks.check_contiguous("out", out)
     return out
 
@@ -377,25 +485,36 @@ def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids
     the input dtype, the expand accumulates in fp32 (vLLM's precision).
 
     Args:
-        hidden_states: [T, H], the bank's dtype (bf16, fp16 or fp32), contiguous.
+        hidden_states: [T, H], the bank's dtype (bf16, fp16 or fp32); any strides (copied when not contiguous).
         topk_ids: int [T, K], **global** expert ids (any id outside the EP window gives a zero row).
         lora_ids: int [T], the adapter slot of each token in [0, L), or -1 for none.
         bank: :class:`LoRABank` on the same device.
         local_expert_offset: first global expert id of this rank's window [offset, offset + E_local).
-        validate: check ``lora_ids`` on the device (one host sync). Pass False under CUDA-graph capture and in
-            benchmarks: then nothing syncs, and an id >= L gives zero rows instead of an error.
+        validate: check ``lora_ids`` on the device (one host sync): in ``[-1, L)`` and naming slots that hold an
+            adapter. Pass False under CUDA-graph capture and in benchmarks: then nothing syncs, and an id >= L or
+            of an empty slot gives zero rows instead of an error.
         segments: :func:`lora_segments` of these ids, to share one grouping with :func:`w2_lora_delta`.
         out: optional contiguous [T, K, 2I] buffer of the input dtype, written in full and returned.
         use_triton: True / False force the Triton kernel / the torch fallback; None picks Triton where it runs.
 
     Returns:
         [T, K, 2I] in the dtype of ``hidden_states``: columns 0:I are up, I:2I gate (FlashInfer order).
+
+    Example:
+        >>> E, H, I, r = 4, 16, 8, 2
+        >>> bank = LoRABank(1, num_local_experts=E, hidden_size=H, intermediate_size=I, max_rank=r,
+        ...                 dtype=torch.float32)
+        >>> bank.set(0, gate_a=torch.randn(E, r, H), gate_b=torch.randn(E, I, r), up_a=torch.randn(E, r, H),
+        ...          up_b=torch.randn(E, I, r), down_a=torch.randn(E, r, I), down_b=torch.randn(E, H, r))
+        >>> ids = torch.tensor([[0, 3], [1, 2]]); lora_ids = torch.tensor([0, -1])  # token 1: no adapter
+        >>> delta = w13_lora_delta(torch.randn(2, H), ids, lora_ids, bank)
+        >>> list(delta.shape), bool(delta[1].eq(0).all())
+        ([2, 2, 16], True)
     """
     T, K = check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments)
     check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, shape=(T, bank.hidden_size))
-    if hidden_states.dtype != bank.dtype:
-        raise TypeError(f"hidden_states: expected the bank's dtype {bank.dtype}, got {hidden_states.dtype}")
-    _checks.check_contiguous("hidden_states", hidden_states)
+    _checks.check_dtype("hidden_states", hidden_states, bank.dtype, "the bank")
+    hidden_states = hidden_states.contiguous()
     device = _checks.check_same_device(hidden_states=hidden_states, topk_ids=topk_ids, lora_ids=lora_ids,
                                        bank=bank.gate_a)
     out = _check_out(out, (T, K, 2 * bank.intermediate_size), hidden_states.dtype, device)
@@ -414,19 +533,28 @@ def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
     Args:
         act: [T*K, I], the unpermuted SwiGLU activation (:func:`moelab.unpermute_activation`), the bank's
-            dtype, contiguous.
+            dtype; any strides.
         topk_ids: int [T, K] global ids; topk_weights: float [T, K]; lora_ids: int [T] (-1 = none).
         bank, local_expert_offset, validate, segments, out, use_triton: as in :func:`w13_lora_delta`
             (``out``: [T, K, H]).
 
     Returns:
         [T, K, H] in the dtype of ``act``.
+
+    Example:
+        >>> E, H, I, r = 4, 16, 8, 2
+        >>> bank = LoRABank(1, num_local_experts=E, hidden_size=H, intermediate_size=I, max_rank=r,
+        ...                 dtype=torch.float32)
+        >>> bank.set(0, gate_a=torch.randn(E, r, H), gate_b=torch.randn(E, I, r), up_a=torch.randn(E, r, H),
+        ...          up_b=torch.randn(E, I, r), down_a=torch.randn(E, r, I), down_b=torch.randn(E, H, r))
+        >>> ids = torch.tensor([[0, 3], [1, 2]]); weights = torch.tensor([[0.6, 0.4], [0.5, 0.5]])
+        >>> w2_lora_delta(torch.randn(4, I), ids, weights, torch.tensor([0, 0]), bank).shape
+        torch.Size([2, 2, 16])
     """
     T, K = check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments)
     check_tensor("act", act, dtypes=FLOAT_DTYPES, shape=(T * K, bank.intermediate_size))
-    if act.dtype != bank.dtype:
-        raise TypeError(f"act: expected the bank's dtype {bank.dtype}, got {act.dtype}")
-    _checks.check_contiguous("act", act)
+    _checks.check_dtype("act", act, bank.dtype, "the bank")
+    act = act.contiguous()
     check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES + (torch.float64,), shape=(T, K))
     device = _checks.check_same_device(act=act, topk_ids=topk_ids, topk_weights=topk_weights, lora_ids=lora_ids,
                                        bank=bank.down_a)

@@ -31,18 +31,7 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto") 
         >>> prepare_weights(w13, w2, backend="torch").intermediate_size
         32
     """
-    check_tensor("w13", w13, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor("w2", w2, dtypes=FLOAT_DTYPES, ndim=3)
-    E_local, two_i, H = w13.shape
-    if two_i % 2:
-        raise ValueError(f"w13: expected an even second dimension 2I, got {two_i}")
-    I = two_i // 2
-    if min(E_local, H, I) == 0:
-        raise ValueError(f"w13: expected non-zero E_local, 2I and H, got shape {list(w13.shape)}")
-    check_tensor("w2", w2, shape=(E_local, H, I))
-    if w2.dtype != w13.dtype:
-        raise TypeError(f"w2: expected dtype {w13.dtype} (that of w13), got {w2.dtype}")
-    _checks.check_same_device(w13=w13, w2=w2)
+    E_local, H, I = _checks.check_expert_weights(w13, w2)
     name = resolve_backend(backend, w13.device)
     g1, g2 = get_backend(name).prepare(w13, w2)
     return MoEWeights(name, g1, g2, E_local, H, I)
@@ -104,9 +93,7 @@ def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert
         raise ValueError(f"weights: expected at most num_experts={num_experts} local experts, got {E_local}")
     check_int("local_expert_offset", local_expert_offset, low=0, high=num_experts - E_local)
     check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
-    if hidden_states.dtype != weights.dtype:
-        raise TypeError(f"hidden_states: expected dtype {weights.dtype} (that of the weights), "
-                        f"got {hidden_states.dtype}")
+    _checks.check_dtype("hidden_states", hidden_states, weights.dtype, "the weights")
     T = hidden_states.shape[0]
     check_tensor("hidden_states", hidden_states, shape=(None, H))
     if isinstance(topk, tuple):
@@ -122,17 +109,19 @@ def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert
         packed = topk.contiguous()
         _checks.check_same_device(weights=weights.gemm1_weights, topk=packed)
     if gemm1_lora_delta is not None:
-        check_tensor("gemm1_lora_delta", gemm1_lora_delta, dtypes=(weights.dtype,), shape=(T, top_k, 2 * I))
+        check_tensor("gemm1_lora_delta", gemm1_lora_delta, dtypes=FLOAT_DTYPES, shape=(T, top_k, 2 * I))
+        _checks.check_dtype("gemm1_lora_delta", gemm1_lora_delta, weights.dtype, "the weights")
         _checks.check_contiguous("gemm1_lora_delta", gemm1_lora_delta)
     if output is not None:
         if not do_finalize:
             raise ValueError("output: only written when do_finalize=True; pass output=None")
-        check_tensor("output", output, dtypes=(weights.dtype,), shape=(T, H))
+        check_tensor("output", output, dtypes=FLOAT_DTYPES, shape=(T, H))
+        _checks.check_dtype("output", output, weights.dtype, "the weights")
         _checks.check_contiguous("output", output)
     _checks.check_same_device(weights=weights.gemm1_weights, hidden_states=hidden_states,
                               gemm1_lora_delta=gemm1_lora_delta, output=output)
     call = RoutedMoECall(topk, packed, hidden_states.contiguous(), weights, num_experts, top_k, local_expert_offset,
                          gemm1_lora_delta, do_finalize, output)
-    if validate:
-        _checks.check_expert_ids("topk (expert ids)", call.topk_ids, num_experts)
+    if validate:  # tuple ids are checked as given: an int64 id >= 2**31 must not wrap into range by the int32 cast
+        _checks.check_expert_ids("topk (expert ids)", ids if packed is None else call.topk_ids, num_experts)
     return call

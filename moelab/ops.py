@@ -7,6 +7,8 @@ can run on the tensors' device (a CUDA GPU, or the interpreter on CPU), else run
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moelab import _checks, _runtime
@@ -72,6 +74,12 @@ def unpermute_activation(act_permuted: torch.Tensor, expanded_idx_to_permuted_id
     Returns:
         [T*K, I], dtype of ``act_permuted``: row r is ``act_permuted[map[r]]`` or zeros (``map[r] == -1``).
         The zeros matter: the W2 LoRA sums over every slot, so garbage here would leak into the output.
+
+    Example:
+        >>> act_permuted = torch.arange(8.0).view(4, 2)          # R1 = 4 permuted rows, I = 2
+        >>> e2p = torch.tensor([2, -1, 0, 3], dtype=torch.int32)  # T = 2, K = 2; slot 1 is non-local
+        >>> unpermute_activation(act_permuted, e2p, 2, 2).tolist()
+        [[4.0, 5.0], [0.0, 0.0], [0.0, 1.0], [6.0, 7.0]]
     """
     check_tensor("act_permuted", act_permuted, dtypes=FLOAT_DTYPES, ndim=2)
     check_int("num_tokens", num_tokens, low=0)
@@ -101,22 +109,38 @@ def finalize_with_w2_lora(output: torch.Tensor, gemm2_output: torch.Tensor, expe
         w2_delta: [T, K, H], already weighted by the routing weights, or None.
         scale: multiplies the base sum only (vLLM passes 1.0).
         validate: as in :func:`unpermute_activation` (rows outside ``[-1, R2)`` rejected; without it skipped).
+
+    ``output`` must not share memory with any input (a ``ValueError`` otherwise). Returns ``output``.
+
+    Example:
+        >>> gemm2 = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])        # R2 = 3 permuted rows, H = 2
+        >>> weights = torch.tensor([[0.5, 0.25]]); e2p = torch.tensor([1, 2], dtype=torch.int32)  # T = 1, K = 2
+        >>> delta = torch.full((1, 2, 2), 0.5)                                 # already weighted W2 LoRA delta
+        >>> finalize_with_w2_lora(torch.empty(1, 2), gemm2, weights, e2p, delta).tolist()  # 0.5*2 + 0.25*4 + 1
+        [[3.0, 3.0]]
     """
     check_tensor("output", output, dtypes=FLOAT_DTYPES, ndim=2)
     T, H = output.shape
     check_tensor("gemm2_output", gemm2_output, dtypes=FLOAT_DTYPES, shape=(None, H))
     check_tensor("expert_weights", expert_weights, dtypes=FLOAT_DTYPES, shape=(T, None))
     K = expert_weights.shape[1]
+    if K < 1:
+        raise ValueError(f"expert_weights: expected at least one column (top_k >= 1), got shape "
+                         f"{list(expert_weights.shape)}")
     check_tensor("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, dtypes=(torch.int32,), shape=(T * K,))
     if w2_delta is not None:
         check_tensor("w2_delta", w2_delta, dtypes=FLOAT_DTYPES, shape=(T, K, H))
         _checks.check_contiguous("w2_delta", w2_delta)
-    if not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
     _checks.check_same_device(output=output, gemm2_output=gemm2_output, expert_weights=expert_weights,
                               expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, w2_delta=w2_delta)
     for name, t in (("output", output), ("gemm2_output", gemm2_output)):
         _checks.check_contiguous(name, t)
+    _checks.check_no_overlap("output", output, gemm2_output=gemm2_output, expert_weights=expert_weights,
+                             expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, w2_delta=w2_delta)
     _check_map(expanded_idx_to_permuted_idx, gemm2_output.shape[0], validate)
     if T == 0:
         return output

@@ -18,6 +18,7 @@ The weights feed :func:`moelab.pack_topk_ids_weights` unchanged: routed MoE appl
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -67,7 +68,7 @@ def _deepseek_v3_ids(biased: torch.Tensor, top_k: int, n_group: int, topk_group:
 
 def route(router_logits: torch.Tensor, top_k: int, method: str = "renormalize", *, n_group: int | None = None,
           topk_group: int | None = None, correction_bias: torch.Tensor | None = None,
-          routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          routed_scaling_factor: float = 1.0, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``top_k`` experts per token from router logits and weigh them, in fp32, on the logits' device.
 
     Args:
@@ -90,12 +91,14 @@ def route(router_logits: torch.Tensor, top_k: int, method: str = "renormalize", 
         topk_group: deepseek_v3 only; groups kept, in ``[1, n_group]`` (default ``n_group``: all). The kept
             groups must hold at least ``top_k`` experts.
         correction_bias: deepseek_v3 only; float [E] on the logits' device (default: no bias).
-        routed_scaling_factor: multiplies the final weights of every method (default 1.0).
+        routed_scaling_factor: multiplies the final weights of every method (default 1.0); finite.
+        validate: read ``correction_bias`` to reject NaN and inf (one host sync, deepseek_v3 with a bias only).
+            Pass False under CUDA-graph capture.
 
     Returns:
         ``(topk_weights fp32 [T, K], topk_ids int32 [T, K])``, ids by descending selection score (ties: lower
-        id first), as :func:`moelab.reference.route`. T = 0 gives empty ``[0, K]`` tensors. No host sync: the
-        checks read shapes only, so ``route`` is safe under CUDA-graph capture.
+        id first), as :func:`moelab.reference.route`. T = 0 gives empty ``[0, K]`` tensors. No host sync except
+        the ``correction_bias`` check (``validate=False`` skips it): ``route`` is then safe under CUDA-graph capture.
 
     Raises:
         TypeError: ``router_logits`` or ``correction_bias`` not a float tensor, a non-int ``top_k``/``n_group``/
@@ -118,6 +121,8 @@ def route(router_logits: torch.Tensor, top_k: int, method: str = "renormalize", 
     check_int("top_k", top_k, low=1, high=E)
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, numbers.Real):
         raise TypeError(f"routed_scaling_factor: expected a real number, got {type(routed_scaling_factor).__name__}")
+    if not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor: expected a finite number, got {routed_scaling_factor}")
     if method != "deepseek_v3":
         # The reference ignores them; here they are an error, since ignoring them would hide a mis-configured router.
         for name, value in (("n_group", n_group), ("topk_group", topk_group), ("correction_bias", correction_bias)):
@@ -146,6 +151,11 @@ def route(router_logits: torch.Tensor, top_k: int, method: str = "renormalize", 
         if correction_bias is not None:
             check_tensor("correction_bias", correction_bias, dtypes=FLOAT_DTYPES + (torch.float64,), shape=(E,))
             check_same_device(router_logits=router_logits, correction_bias=correction_bias)
+            if validate and not bool(torch.isfinite(correction_bias).all()):
+                bad = (~torch.isfinite(correction_bias)).nonzero().flatten().tolist()
+                raise ValueError(f"correction_bias: expected finite values, got {correction_bias[bad[0]].item()} at "
+                                 f"expert {bad[0]} ({len(bad)} of {E} not finite); a NaN or inf bias would pick "
+                                 f"its expert for every token")
             biased = scores + correction_bias.float()
         ids = _deepseek_v3_ids(biased, top_k, n_group, topk_group)
         weights = scores.gather(1, ids)

@@ -103,9 +103,11 @@ def test_deltas_match_reference(case: Case, dtype, use_triton, device):
     act = torch.randn(c.T * c.K, c.I).to(dtype).to(device)
     zero = zero_slots(topk_ids, lora_ids, c.E_local, c.offset)
 
+    # An id naming an empty slot raises with validate=True (tests/test_errors.py); unvalidated it gives zero rows.
+    validate = 0 not in c.ranks
     out13 = poison(torch.empty(c.T, c.K, 2 * c.I, dtype=dtype, device=device))
     got13 = w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=c.offset, out=out13,
-                           use_triton=use_triton)
+                           use_triton=use_triton, validate=validate)
     assert got13 is out13 and got13.dtype == dtype
     ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=c.offset)
     assert_close_to_reference(got13, ref13, dtype, "w13_lora_delta")
@@ -113,7 +115,7 @@ def test_deltas_match_reference(case: Case, dtype, use_triton, device):
 
     out2 = poison(torch.empty(c.T, c.K, c.H, dtype=dtype, device=device))
     got2 = w2_lora_delta(act, topk_ids, weights, lora_ids, bank, local_expert_offset=c.offset, out=out2,
-                         use_triton=use_triton)
+                         use_triton=use_triton, validate=validate)
     assert got2 is out2 and got2.dtype == dtype
     ref2 = reference.w2_lora_delta(act, topk_ids, weights, lora_ids, bank, local_expert_offset=c.offset)
     assert_close_to_reference(got2, ref2, dtype, "w2_lora_delta")
@@ -209,8 +211,9 @@ def test_triton_deltas_property(T, E, data, L, max_rank, H, I, seed, grouped):
     lora_ids = torch.randint(-1, L, (T,), generator=g).to(dev)
     w = random_weights(T, K, generator=g, device=dev)
     seg = build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=offset) if grouped else None
-    d13 = w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=offset, segments=seg, use_triton=True)
-    d2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank, local_expert_offset=offset, segments=seg, use_triton=True)
+    args = dict(local_expert_offset=offset, segments=seg, use_triton=True, validate=False)  # empty slots: zero rows
+    d13 = w13_lora_delta(x, topk_ids, lora_ids, bank, **args)
+    d2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank, **args)
     ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=offset)
     ref2 = reference.w2_lora_delta(act, topk_ids, w, lora_ids, bank, local_expert_offset=offset)
     if ref13.abs().sum() > 0:

@@ -1,0 +1,389 @@
+"""Errors that point at the real mistake (docs/contract.md §7): each bad input of the public API gets a TypeError
+or ValueError naming the argument at fault and the fix, before any kernel runs; where the input used to be
+accepted silently, the test also shows what a correct call computes (against the float64 reference).
+
+Small shapes: every case runs in milliseconds on the torch backend; the triton cases run the interpreter on a few
+tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from helpers import assert_close_to_reference, random_experts, random_topk_ids, random_weights
+
+import moelab
+from moelab import _checks, _runtime, reference
+
+E, K, H, I = 4, 2, 32, 8  # 2I != H: a transposed w13 has another shape
+
+
+def weights(dtype=torch.float32):
+    return random_experts(E, H, I, dtype)
+
+
+def adapter(r=2, E_=E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"gate_a": torch.randn(E_, r, H, generator=g), "gate_b": torch.randn(E_, I, r, generator=g),
+            "up_a": torch.randn(E_, r, H, generator=g), "up_b": torch.randn(E_, I, r, generator=g),
+            "down_a": torch.randn(E_, r, I, generator=g), "down_b": torch.randn(E_, H, r, generator=g)}
+
+
+def bank_with(slots=(0,), L=2, dtype=torch.float32, max_rank=4):
+    bank = moelab.LoRABank(L, E, H, I, max_rank, dtype=dtype)
+    for s in slots:
+        bank.set(s, **adapter(seed=s), scaling=0.5)
+    return bank
+
+
+def routing(T=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return random_weights(T, K, generator=g), random_topk_ids(T, K, E, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+def test_transposed_w13_blames_w13():
+    w13, w2 = weights()
+    with pytest.raises(ValueError, match=r"^w13: expected shape \[E_local, 2I, H\] = \[4, 16, 32\].*looks "
+                                         r"transposed; pass w13\.transpose"):
+        moelab.prepare_weights(w13.transpose(1, 2), w2, backend="torch")
+    with pytest.raises(ValueError, match=r"^w2: expected shape \[E_local, H, I\] = \[4, 32, 8\].*looks "
+                                         r"transposed; pass w2\.transpose"):
+        moelab.prepare_weights(w13, w2.transpose(1, 2), backend="torch")
+    with pytest.raises(ValueError, match="^w13: .*looks transposed"):
+        moelab.LoRAExperts(w13.transpose(1, 2).contiguous(), w2, num_experts=E, top_k=K, backend="torch")
+
+
+def test_transposed_lora_a_says_so():
+    bank = moelab.LoRABank(1, E, H, I, 4)
+    for name in ("gate_a", "up_a", "down_a", "gate_b", "down_b"):
+        a = adapter()
+        a[name] = a[name].transpose(1, 2)
+        with pytest.raises(ValueError, match=rf"^{name}: expected shape .*looks transposed; pass {name}\.transpose"):
+            bank.set(0, **a)
+    a = adapter()
+    a["up_b"] = torch.randn(E, I, 3)  # rank 3 where gate_a has 2
+    with pytest.raises(ValueError, match=r"^up_b: expected rank 2 \(that of gate_a"):
+        bank.set(0, **a)
+    with pytest.raises(ValueError, match=r"gate_a: rank 5 .*max_rank 4; make a bank with max_rank >= 5"):
+        bank.set(0, **adapter(r=5))
+    assert bank.ranks == [0]
+
+
+def test_dtype_mismatch_says_how_to_fix_everywhere():
+    w13, w2 = weights(torch.bfloat16)
+    fix = r"expected dtype bfloat16 \(that of {}\), got float32; convert it with {}\.to\(torch\.bfloat16\)"
+    with pytest.raises(TypeError, match=fix.format("w13", "w2")):
+        moelab.prepare_weights(w13, w2.float(), backend="torch")
+    mw = moelab.prepare_weights(w13, w2, backend="torch")
+    w, ids = routing()
+    x = torch.randn(3, H)
+    with pytest.raises(TypeError, match=fix.format("the weights", "hidden_states")):
+        moelab.routed_moe((ids, w), x, mw, num_experts=E, top_k=K)
+    with pytest.raises(TypeError, match=fix.format("the weights", "output")):
+        moelab.routed_moe((ids, w), x.bfloat16(), mw, num_experts=E, top_k=K, output=torch.empty(3, H))
+    with pytest.raises(TypeError, match=fix.format("the weights", "gemm1_lora_delta")):
+        moelab.routed_moe((ids, w), x.bfloat16(), mw, num_experts=E, top_k=K, gemm1_lora_delta=torch.zeros(3, K, 2 * I))
+    bank = bank_with(dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=fix.format("the bank", "hidden_states")):
+        moelab.w13_lora_delta(x, ids, torch.zeros(3, dtype=torch.long), bank)
+    with pytest.raises(TypeError, match=fix.format("the bank", "act")):
+        moelab.w2_lora_delta(torch.randn(3 * K, I), ids, w, torch.zeros(3, dtype=torch.long), bank)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="torch", lora=bank)
+    with pytest.raises(TypeError, match=fix.format("the weights", "hidden_states")):
+        experts(x, w, ids, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"lora: expected dtype float32 \(that of the weights\), got bfloat16; "
+                                        r"make the bank with dtype=torch\.float32"):
+        moelab.LoRAExperts(*weights(), num_experts=E, top_k=K, backend="torch", lora=bank)
+
+
+# ---------------------------------------------------------------------------------------------- LoRAExperts
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_experts=E, top_k=E + 1), ValueError, r"top_k: expected an int in \[1, 4\], got 5"),
+    (dict(num_experts=E, top_k=0), ValueError, r"top_k: expected an int in \[1, 4\], got 0"),
+    (dict(num_experts=0, top_k=1), ValueError, r"num_experts: expected an int in \[4, 32767\], got 0"),
+    (dict(num_experts=str(E), top_k=1), TypeError, "num_experts: expected an int, got str"),
+    (dict(num_experts=E, top_k=1, local_expert_offset=-1), ValueError,
+     r"local_expert_offset: expected an int in \[0, 0\], got -1"),
+    (dict(num_experts=8, top_k=1, local_expert_offset=5), ValueError,
+     r"local_expert_offset: expected an int in \[0, 4\], got 5"),
+])
+def test_lora_experts_rejects_bad_sizes_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        moelab.LoRAExperts(*weights(), backend="torch", **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton/flow"])
+def test_lora_ids_naming_an_empty_slot_raises_in_validate_mode(backend):
+    name, _, mode = backend.partition("/")
+    w13, w2 = weights()
+    bank = bank_with(slots=(1,), L=3)  # slot 1 set; 0 and 2 empty
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend=name, lora=bank,
+                                 fused=False if mode else None)
+    w, ids = routing()
+    x = torch.randn(3, H)
+    for lora_ids in ([1, 0, -1], [2, 2, 2]):
+        with pytest.raises(ValueError, match=r"lora_ids: slots \[(0|2)\] hold no adapter \(bank\.ranks = \[0, 2, 0"):
+            experts(x, w, ids, torch.tensor(lora_ids))
+    # unvalidated (CUDA graphs), an empty slot adds exactly nothing: the base output
+    got = experts(x, w, ids, torch.tensor([0, 0, 2]), validate=False)
+    base = experts(x, w, ids, None)
+    assert torch.equal(got, base)
+    # a set slot still works, against the float64 reference
+    got = experts(x, w, ids, torch.tensor([1, -1, 1]))
+    ref = reference.lora_experts(x, w, ids, torch.tensor([1, -1, 1]), w13, w2, bank)["output"]
+    assert_close_to_reference(got, ref, torch.float32, backend)
+
+
+def test_lora_ids_minus_two_rejected_whatever_the_other_ids():
+    experts = moelab.LoRAExperts(*weights(), num_experts=E, top_k=K, backend="torch", lora=bank_with())
+    w, ids = routing()
+    for lora_ids in ([-2, -1, -1], [-2, -2, -2], [-2, 0, -1]):
+        with pytest.raises(ValueError, match=r"lora_ids: expected adapter ids in \[-1, 2\) \(-1 = no adapter\), "
+                                              r"got -2"):
+            experts(torch.randn(3, H), w, ids, torch.tensor(lora_ids))
+    with pytest.raises(ValueError, match=r"lora_ids: expected adapter ids in \[-1, 2\).*got 2"):
+        experts(torch.randn(3, H), w, ids, torch.tensor([-1, -1, 2]))
+
+
+def test_lora_ids_without_a_bank_are_refused():
+    experts = moelab.LoRAExperts(*weights(), num_experts=E, top_k=K, backend="torch")
+    w, ids = routing()
+    for lora_ids in (torch.tensor([7, -1, 0]), torch.tensor([-1, -1, -1]), "abc"):
+        with pytest.raises(ValueError, match=r"lora_ids: this LoRAExperts has no LoRABank \(lora=None\)"):
+            experts(torch.randn(3, H), w, ids, lora_ids)
+
+
+def test_lora_experts_misleading_messages_fixed():
+    experts = moelab.LoRAExperts(*weights(), num_experts=E, top_k=K, backend="torch", lora=bank_with())
+    w, ids = routing()
+    lora_ids = torch.tensor([0, -1, 0])
+    with pytest.raises(ValueError, match=r"^hidden_states: expected a 2-D tensor, got shape \(32,\)"):
+        experts(torch.randn(H), w, ids, lora_ids)
+    with pytest.raises(TypeError, match=r"^hidden_states: expected a torch\.Tensor, got list"):
+        experts(torch.randn(3, H).tolist(), w, ids, lora_ids)
+    # T mismatch: the one argument whose T differs is blamed, whichever it is
+    x = torch.randn(3, H)
+    with pytest.raises(ValueError, match=r"^topk_ids: expected 3 rows .*got 2; rows per argument: hidden_states 3, "
+                                         r"topk_weights 3, topk_ids 2, lora_ids 3"):
+        experts(x, w, ids[:2], lora_ids)
+    with pytest.raises(ValueError, match=r"^hidden_states: expected 3 rows .*got 4"):
+        experts(torch.randn(4, H), w, ids, lora_ids)
+    with pytest.raises(ValueError, match=r"^lora_ids: expected 3 rows .*got 5"):
+        experts(x, w, ids, torch.zeros(5, dtype=torch.long))
+
+
+def test_device_mismatch_names_both_sides():
+    # "meta" tensors stand in for a second device: the check reads devices only
+    with pytest.raises(ValueError, match=r"^w2: expected the device of w13 \(cpu\), got meta; .*move w2 or w13"):
+        _checks.check_same_device(w13=torch.zeros(1), w2=torch.zeros(1, device="meta"))
+
+
+def test_range_messages_print_the_bound_that_exists():
+    with pytest.raises(ValueError, match=r"^rank: expected an int >= 1, got 0$"):
+        moelab.lora_scaling(16, 0)
+    with pytest.raises(ValueError, match=r"^max_loras: expected an int >= 1, got -3$"):
+        moelab.LoRABank(-3, E, H, I, 4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton/flow"])
+def test_non_contiguous_hidden_states_same_result_on_every_path(backend):
+    name, _, mode = backend.partition("/")
+    w13, w2 = weights()
+    bank = bank_with()
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend=name, lora=bank,
+                                 fused=False if mode else None)
+    w, ids = routing(T=4)
+    x = torch.randn(H, 4).t()  # strided view [4, H]
+    assert not x.is_contiguous()
+    for lora_ids in (None, torch.tensor([-1, -1, -1, -1]), torch.tensor([0, -1, 0, -1])):
+        got = experts(x, w, ids, lora_ids)
+        assert torch.equal(got, experts(x.contiguous(), w, ids, lora_ids)), f"{backend} {lora_ids}"
+    ref = reference.lora_experts(x, w, ids, torch.tensor([0, -1, 0, -1]), w13, w2, bank)["output"]
+    assert_close_to_reference(got, ref, torch.float32, backend)
+
+
+# ---------------------------------------------------------------------------------------------- routed_moe
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_int64_ids_beyond_int32_rejected_before_the_cast(backend):
+    mw = moelab.prepare_weights(*weights(), backend=backend)
+    x = torch.randn(2, H)
+    ids = torch.tensor([[0, 2**32 + 1], [2, 3]], dtype=torch.int64)  # 2**32 + 1 would wrap to expert 1
+    with pytest.raises(ValueError, match=r"topk \(expert ids\): expected expert ids in \[0, 4\), got 4294967297"):
+        moelab.routed_moe((ids, torch.rand(2, K)), x, mw, num_experts=E, top_k=K)
+    with pytest.raises(ValueError, match="expected expert ids in"):
+        moelab.pack_topk_ids_weights(ids, torch.rand(2, K))
+
+
+# ---------------------------------------------------------------------------------------------- finalize
+
+def _finalize_inputs(T=3, R=8):
+    gemm2 = torch.randn(R, H)
+    e2p = torch.tensor([0, 1, 2, -1, 5, 4], dtype=torch.int32)[: T * K]
+    return gemm2, torch.rand(T, K), e2p, torch.randn(T, K, H)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_finalize_output_overlapping_an_input_is_refused(use_triton):
+    gemm2, w, e2p, delta = _finalize_inputs()
+    for overlap in (gemm2[:3], gemm2[2:5], delta.view(-1, H)[:3]):
+        with pytest.raises(ValueError, match=r"^output: shares memory with (gemm2_output|w2_delta).*pass a separate"):
+            moelab.finalize_with_w2_lora(overlap, gemm2, w, e2p, delta, use_triton=use_triton)
+    out = torch.full((3, H), float("nan"))  # separate memory: the reference's result
+    moelab.finalize_with_w2_lora(out, gemm2, w, e2p, delta, use_triton=use_triton)
+    ref = reference.finalize_with_w2_lora(gemm2, w, e2p, delta)
+    assert_close_to_reference(out, ref, torch.float32, "finalize")
+    moelab.finalize_with_w2_lora(gemm2[5:8], gemm2[:5], w, e2p.clamp(max=4), delta, use_triton=use_triton)  # apart
+
+
+def test_finalize_top_k_zero_and_bad_scale():
+    gemm2, _, _, _ = _finalize_inputs()
+    with pytest.raises(ValueError, match=r"expert_weights: expected at least one column \(top_k >= 1\)"):
+        moelab.finalize_with_w2_lora(torch.empty(3, H), gemm2, torch.rand(3, 0), torch.zeros(0, dtype=torch.int32),
+                                     None)
+    gemm2, w, e2p, delta = _finalize_inputs()
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale: expected a finite float"):
+            moelab.finalize_with_w2_lora(torch.empty(3, H), gemm2, w, e2p, delta, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------- route
+
+def test_route_rejects_nan_bias_and_scaling():
+    logits = torch.randn(5, 8)
+    bias = torch.zeros(8)
+    bias[3] = float("nan")
+    with pytest.raises(ValueError, match=r"correction_bias: expected finite values, got nan at expert 3 \(1 of 8"):
+        moelab.route(logits, 2, "deepseek_v3", correction_bias=bias)
+    for factor in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="routed_scaling_factor: expected a finite number"):
+            moelab.route(logits, 2, routed_scaling_factor=factor)
+    bias[3] = 0.5  # finite: as the reference
+    weights, ids = moelab.route(logits, 2, "deepseek_v3", correction_bias=bias, routed_scaling_factor=2.0)
+    ref_w, ref_ids = reference.route(logits, 2, "deepseek_v3", correction_bias=bias, routed_scaling_factor=2.0)
+    assert torch.equal(ids.long(), ref_ids.long())
+    assert_close_to_reference(weights, ref_w, torch.float32, "route")
+
+
+# ---------------------------------------------------------------------------------------------- the bank
+
+def test_bank_set_from_parameters_keeps_no_graph():
+    bank = moelab.LoRABank(1, E, H, I, 4)
+    params = {k: torch.nn.Parameter(v) for k, v in adapter().items()}
+    bank.set(0, **params, scaling=2.0)
+    for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
+        t = getattr(bank, name)
+        assert not t.requires_grad and t.grad_fn is None, name
+    assert torch.equal(bank.gate_b[0, :, :, :2], (params["gate_b"].detach() * 2.0).to(bank.dtype))
+
+
+def _save(path, tensors, meta):
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.fspath(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+
+
+def _bank_file(tmp_path, **changes):
+    """A bank file as LoRABank.save writes it, then with ``changes`` (metadata keys or tensor names) applied."""
+    bank = bank_with(slots=(0,), L=2)
+    path = tmp_path / "bank.safetensors"
+    bank.save(path)
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in f.metadata().items()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k, v in changes.items():
+        if k in tensors:
+            if v is None:
+                del tensors[k]
+            else:
+                tensors[k] = v(tensors[k])
+        else:
+            meta[k] = v
+    _save(path, tensors, meta)
+    return path
+
+
+def test_bank_roundtrip(tmp_path):
+    bank = bank_with(slots=(0,), L=2)
+    bank.save(tmp_path / "b.safetensors")
+    back = moelab.LoRABank.load(tmp_path / "b.safetensors")
+    assert back.ranks == bank.ranks and torch.equal(back.down_b, bank.down_b)
+
+
+def test_bank_load_of_files_that_are_not_banks(tmp_path):
+    good = _bank_file(tmp_path)
+    data = good.read_bytes()
+    cases = {
+        "empty": b"",
+        "truncated": data[: len(data) // 2],
+        "garbage": os.urandom(256),
+        "text": b"hello, not a bank\n" * 10,
+    }
+    for name, content in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^path: {path} is not a LoRABank file .*not a readable safetensors"):
+            moelab.LoRABank.load(path)
+    # a pickle (torch.save) is refused as a file, never unpickled: its payload would create a marker file
+    marker = tmp_path / "executed"
+    evil = tmp_path / "evil.pt"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (os.fspath(marker), "w"))
+
+    evil.write_bytes(pickle.dumps(Payload()))
+    torch_file = tmp_path / "torch.pt"
+    torch.save({"gate_a": torch.zeros(1)}, torch_file)
+    for path in (evil, torch_file):
+        with pytest.raises(ValueError, match="not a readable safetensors file"):
+            moelab.LoRABank.load(path)
+    assert not marker.exists()
+    # a safetensors file of something else
+    _save(tmp_path / "other.safetensors", {"weight": torch.zeros(2)}, {})
+    with pytest.raises(ValueError, match=r"expected format 'moelab.LoRABank/1' in its metadata, got None"):
+        moelab.LoRABank.load(tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(ranks=[2]), r"ranks: expected 2 ints in \[0, max_rank=4\], got \[2\]"),
+    (dict(ranks=[2, 0, 0]), r"ranks: expected 2 ints"),
+    (dict(ranks=[5, 0]), r"ranks: expected 2 ints in \[0, max_rank=4\], got \[5, 0\]"),
+    (dict(ranks=[-1, 0]), r"ranks: expected 2 ints"),
+    (dict(ranks="2,0"), r"ranks: expected 2 ints"),
+    (dict(ranks=[2.5, 0]), r"ranks: expected 2 ints"),
+    (dict(max_rank="4"), r"max_rank: expected a positive int, got '4'"),
+    (dict(hidden_size=0), r"hidden_size: expected a positive int, got 0"),
+    (dict(gate_a=None), r"tensors \['gate_a'\] are missing"),
+    (dict(gate_a=lambda t: t.to(torch.int32)), r"expected one dtype among .* got .*'gate_a': 'int32'"),
+    (dict(down_b=lambda t: t.to(torch.float16)), r"expected one dtype among .*'down_b': 'float16'"),
+    (dict(up_b=lambda t: t[:, :, :-1].contiguous()),
+     r"up_b: expected shape \[2, 4, 8, 4\] for these sizes, got \[2, 4, 7, 4\]"),
+    (dict(up_a=lambda t: t.index_fill(0, torch.tensor([1]), 0.5)),
+     r"up_a: slot 1 of rank 0 holds non-zero values past its rank"),
+    (dict(down_b=lambda t: t.index_fill(3, torch.tensor([3]), 1.0)),
+     r"down_b: slot 0 of rank 2 holds non-zero values past its rank"),
+    (dict(gate_b=lambda t: t.index_fill(0, torch.tensor([0]), float("nan"))), r"gate_b: holds inf or NaN"),
+])
+def test_bank_load_of_forged_files(tmp_path, changes, match):
+    path = _bank_file(tmp_path, **changes)
+    with pytest.raises(ValueError, match=rf"^path: {path} is not a LoRABank file .*{match}"):
+        moelab.LoRABank.load(path)
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+def test_interpreter_numpy_pair_refused_with_the_fix():
+    with pytest.raises(ImportError, match=r"triton 3\.6\.0 with numpy 2\.4\.1 cannot.*pip install 'numpy<2\.4'"):
+        _runtime.check_interpreter_numpy("3.6.0", "2.4.1")
+    for ok in (("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.6"), ("3.6.0", None), ("3.10.0+git1", "3.0")):
+        _runtime.check_interpreter_numpy(*ok)
