@@ -136,17 +136,17 @@ class LoRAExperts(nn.Module):
         T = check_same_rows(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids,
                             lora_ids=lora_ids)
         output = torch.empty(T, self.weights.hidden_size, dtype=hidden_states.dtype, device=hidden_states.device)
-        if lora_ids is not None:
-            if validate:  # every id in [-1, L) and naming a set slot, whichever path runs (one host sync)
-                check_lora_ids(self.lora, lora_ids)
-            if has_lora is None and lora_ids.device.type == "cpu":
-                has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
-        with_lora = self.lora is not None and lora_ids is not None and has_lora is not False
         # The checks routed_moe and the deltas make, once, before any launch (the backend trusts its call).
         check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=validate)
         weights = topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
         moe = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
                             self.local_expert_offset, None, True, output, validate=False)
+        if lora_ids is not None:
+            if validate:  # ids in [-1, L) naming set slots, whether or not the fast path runs (one host sync)
+                check_lora_ids(self.lora, lora_ids)
+            if has_lora is None and lora_ids.device.type == "cpu":
+                has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
+        with_lora = lora_ids is not None and has_lora is not False
         if with_lora:
             lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
             check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, False)  # ids: checked above

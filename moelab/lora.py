@@ -285,7 +285,7 @@ class LoRABank:
             if tuple(t.shape) != want:
                 raise bad(f"{name}: expected shape {list(want)} for these sizes, got {list(t.shape)}")
             if not bool(torch.isfinite(t).all()):
-                raise bad(f"{name}: holds inf or NaN")
+                raise bad(f"{name}: expected finite values, got inf or NaN")
             r_axis = 3 if name.endswith("_b") else 2  # [L, E_local, ...]: the rank axis of B is last, of A third
             for slot, r in enumerate(ranks):
                 if bool(t[slot].narrow(r_axis - 1, r, t.shape[r_axis] - r).any()):

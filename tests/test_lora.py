@@ -349,9 +349,11 @@ def _set(slot=0, **over):
     (_w13(lora_ids=torch.tensor([0, 2, 1])), ValueError, r"lora_ids.*\[-1, 2\).*got 2"),  # id == L
     (_w13(lora_ids=torch.tensor([0, -2, 1])), ValueError, "lora_ids.*got -2"),  # below -1
     (_w13(lora_ids=torch.tensor([0, 1])), ValueError, "lora_ids.*shape"),  # one id per token
-    (_w13(hidden_states=torch.randn(T_, H_).bfloat16()), TypeError, "hidden_states.*bank's dtype"),
+    (_w13(hidden_states=torch.randn(T_, H_).bfloat16()), TypeError,
+     r"hidden_states: expected dtype float32 \(that of the bank\), got bfloat16; convert it with "
+     r"hidden_states\.to\(torch\.float32\)"),
     (_w13(hidden_states=torch.randn(T_, H_ + 1)), ValueError, "hidden_states.*shape"),  # H != bank's
-    (_w13(hidden_states=torch.randn(H_, T_).t()), ValueError, "hidden_states.*contiguous"),
+    (_w13(out=torch.empty(T_, 2 * I_, K_).transpose(1, 2)), ValueError, "out.*contiguous"),  # written in place
     (_w13(topk_ids=torch.zeros(T_, K_)), TypeError, "topk_ids.*dtype"),  # float ids
     (_w13(local_expert_offset=-1), ValueError, "local_expert_offset"),
     (_w13(bank=object()), TypeError, "bank.*LoRABank"),
