@@ -98,6 +98,12 @@ DEBUG_DEAD_ROWS: bool = os.environ.get("MOELAB_DEBUG", "0") == "1"
 
 
 def set_debug(enabled: bool) -> None:
-    """Dead rows of permuted outputs become NaN (True) or zeros (False, the default)."""
+    """Dead rows of permuted outputs become NaN (True) or zeros (False, the default); same as ``MOELAB_DEBUG=1``.
+
+    Example:
+        >>> import moelab
+        >>> moelab.set_debug(True)   # a consumer that reads a dead row now gets NaN
+        >>> moelab.set_debug(False)
+    """
     global DEBUG_DEAD_ROWS
     DEBUG_DEAD_ROWS = bool(enabled)

@@ -39,6 +39,12 @@ class MoEWeights:
 
     ``gemm1_weights`` / ``gemm2_weights`` are in the backend's own layout: HF order ``[E_local, 2I, H]`` /
     ``[E_local, H, I]`` for torch and triton, FlashInfer's BlockMajorK for flashinfer (``moelab.layout``).
+
+    Example:
+        >>> import moelab
+        >>> w = moelab.prepare_weights(torch.randn(4, 64, 32), torch.randn(4, 32, 32), backend="torch")
+        >>> w.backend, w.num_local_experts, w.hidden_size, w.intermediate_size, w.dtype
+        ('torch', 4, 32, 32, torch.float32)
     """
 
     backend: str

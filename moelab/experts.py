@@ -124,6 +124,37 @@ class LoRAExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora_ids: torch.Tensor | None = None, *, has_lora: bool | None = None,
                 validate: bool = True) -> torch.Tensor:
+        """The routed experts with each token's adapter: ``[T, H]`` in the input dtype.
+
+        Args:
+            hidden_states: [T, H], the weights' dtype; any strides.
+            topk_weights: float [T, K] routing weights (e.g. from :func:`moelab.route`); the base term uses them
+                rounded to bf16 as packing does, the W2 LoRA term as given.
+            topk_ids: int [T, K] global expert ids in ``[0, num_experts)``, distinct per token.
+            lora_ids: int [T] adapter slot of each token, -1 for none; None (or all -1) runs the base MoE.
+                Only for experts built with ``lora=``.
+            has_lora: whether any token has an adapter, when the caller knows it (CUDA graphs); default: read
+                from ``lora_ids`` when it is on the CPU.
+            validate: check ids on the device (expert ids in range and distinct, adapter ids in ``[-1, L)`` and
+                naming set slots): one host sync. Pass False under CUDA-graph capture and in benchmarks.
+
+        Returns:
+            [T, H]: the MoE output plus every token's LoRA; under expert parallelism this rank's partial sum.
+
+        Example:
+            >>> import moelab
+            >>> E, K, H, I, r = 4, 2, 32, 16, 4
+            >>> bank = moelab.LoRABank(2, num_local_experts=E, hidden_size=H, intermediate_size=I, max_rank=r,
+            ...                        dtype=torch.float32)
+            >>> bank.set(1, gate_a=torch.randn(E, r, H), gate_b=torch.randn(E, I, r), up_a=torch.randn(E, r, H),
+            ...          up_b=torch.randn(E, I, r), down_a=torch.randn(E, r, I), down_b=torch.randn(E, H, r))
+            >>> experts = LoRAExperts(torch.randn(E, 2 * I, H), torch.randn(E, H, I), num_experts=E, top_k=K,
+            ...                       lora=bank, backend="torch")
+            >>> x = torch.randn(3, H); weights, ids = moelab.route(torch.randn(3, E), K)
+            >>> out = experts(x, weights, ids, torch.tensor([1, -1, 1]))   # token 1: base output only
+            >>> out.shape, torch.equal(out[1], experts(x, weights, ids, None)[1])
+            (torch.Size([3, 32]), True)
+        """
         check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
         check_dtype("hidden_states", hidden_states, self.weights.dtype, "the weights")
         check_tensor("topk_weights", topk_weights, ndim=2)

@@ -74,6 +74,12 @@ def unpack_topk_ids_weights(packed: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     Returns:
         ``(ids int32 [T, K], weights bf16 [T, K])``.
+
+    Example:
+        >>> packed = pack_topk_ids_weights(torch.tensor([[5, 0]]), torch.tensor([[-0.5, 0.25]]))
+        >>> ids, weights = unpack_topk_ids_weights(packed)
+        >>> ids.tolist(), weights.tolist()   # the negative weight keeps its expert id: the mask at work
+        ([[5, 0]], [[-0.5, 0.25]])
     """
     check_tensor("packed", packed, dtypes=(torch.int32,), ndim=2)
     ids = packed >> 16

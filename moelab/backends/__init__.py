@@ -40,7 +40,12 @@ def _default_device() -> torch.device:
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
-    """Backends that can run on ``device`` (default: the current CUDA device, else the CPU), fastest first."""
+    """Backends that can run on ``device`` (default: the current CUDA device, else the CPU), fastest first.
+
+    Example:
+        >>> "torch" in available_backends("cpu")  # plain PyTorch runs anywhere; "auto" picks the first entry
+        True
+    """
     device = _default_device() if device is None else torch.device(device)
     return [name for name in BACKENDS if _reason(name, device) is None]
 
