@@ -1,6 +1,6 @@
 """moelab: learn, check and measure LoRA on Mixture-of-Experts layers.
 
-Everything users call is importable from here (SPEC §6). On a machine without a CUDA GPU, Triton kernels run
+Everything users call is importable from here (docs/contract.md §6). On a machine without a CUDA GPU, Triton kernels run
 in Triton's interpreter (set up by ``moelab._runtime`` before any kernel is defined).
 """
 

@@ -54,7 +54,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64 (SPEC §7); inf when either holds a NaN (NaN never passes)."""
+    """``||out - ref|| / ||ref||`` in float64 (docs/contract.md §7); inf when either holds a NaN (NaN never passes)."""
     out64, ref64 = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
     if out64.shape != ref64.shape:
         raise ValueError(f"out: expected the reference's shape {list(ref64.shape)}, got {list(out64.shape)}")

@@ -1,4 +1,4 @@
-"""FlashInfer's BF16 expert-weight layout, built from small named steps (SPEC §4).
+"""FlashInfer's BF16 expert-weight layout, built from small named steps (docs/contract.md §4).
 
 moelab takes weights in Hugging Face order; FlashInfer's ``trtllm_bf16_routed_moe`` reads them in its own
 physical layout. :func:`to_flashinfer` gets there in four steps, each a function a notebook can draw:
@@ -23,7 +23,7 @@ Index maps, by name (all int64, usable as ``rows[map]``; "new row j takes old ro
                                   q = 32*(n//32) + 4*(n%8) + (n%32)//8
     gemm2_row_map(H)        [H]   physical GEMM2 row n <- logical down_proj row shuffle_rows(H)[n]
 
-FlashInfer requires ``I % 128 == 0`` and (to be safe, SPEC §3) ``H % 128 == 0``; moelab's own torch and
+FlashInfer requires ``I % 128 == 0`` and (to be safe, docs/contract.md §3) ``H % 128 == 0``; moelab's own torch and
 triton backends take any I and H. FlashInfer's docstring shapes (``.../128, 128``) are wrong: the block is
 128 *bytes*. Checked equal to ``flashinfer.fused_moe.prepare.prepare_trtllm_bf16_weights`` (fed ``[up; gate]``)
 in ``tests/test_layout.py``.
@@ -51,7 +51,7 @@ __all__ = ["ALIGNMENT", "BLOCK_K", "SHUFFLE_BLOCK", "swap_halves", "gated_reorde
 BLOCK_K = 128 // torch.bfloat16.itemsize
 #: Rows shuffled together: 32 for the BF16 kernels' epilogue_tile_m = 128 (16 for smaller tiles).
 SHUFFLE_BLOCK = 32
-#: FlashInfer checks ``I % 128 == 0``; ``H % 128 == 0`` is the shape its tests cover (SPEC §3).
+#: FlashInfer checks ``I % 128 == 0``; ``H % 128 == 0`` is the shape its tests cover (docs/contract.md §3).
 ALIGNMENT = 128
 
 
@@ -94,7 +94,7 @@ def shuffle_rows(n: int) -> torch.Tensor:
 def gemm1_row_map(I: int) -> torch.Tensor:
     """For each physical GEMM1 row n, the logical ``[up; gate]`` row it holds (reorder, then shuffle).
 
-    Closed form (SPEC §4): ``q = 32*(n//32) + 4*(n%8) + (n%32)//8``, row ``q//2 + (q%2)*I``.
+    Closed form (docs/contract.md §4): ``q = 32*(n//32) + 4*(n%8) + (n%32)//8``, row ``q//2 + (q%2)*I``.
     Equal to ``gated_reorder_rows(I)[shuffle_rows(2I)]``. Returns int64 [2I].
     """
     n = torch.arange(2 * I)
@@ -162,7 +162,7 @@ def check_flashinfer_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, 
 
 
 def to_flashinfer(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF-order expert weights to FlashInfer's BF16 BlockMajorK layout (SPEC §4), on their own device.
+    """HF-order expert weights to FlashInfer's BF16 BlockMajorK layout (docs/contract.md §4), on their own device.
 
     Args:
         w13: bf16 [E, 2I, H], rows ``[gate; up]``.

@@ -1,4 +1,4 @@
-"""LoRA on the experts (SPEC §5): the adapter bank and the two per-slot deltas vLLM feeds FlashInfer.
+"""LoRA on the experts (docs/contract.md §5): the adapter bank and the two per-slot deltas vLLM feeds FlashInfer.
 
     LoRABank        L slots x E_local experts of zero-padded A and B matrices, scaling folded into B
     w13_lora_delta  [T, K, 2I] in [up, gate] order, unweighted: added to GEMM1's output before SwiGLU
@@ -478,7 +478,7 @@ def _check_out(out, shape, dtype, device):
 def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
                    local_expert_offset: int = 0, validate: bool = True, segments: Segments | None = None,
                    out: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
-    """The W13 LoRA delta FlashInfer adds to GEMM1's output before SwiGLU (SPEC §5), [up, gate] order.
+    """The W13 LoRA delta FlashInfer adds to GEMM1's output before SwiGLU (docs/contract.md §5), [up, gate] order.
 
     ``delta[t, k] = cat(B_up @ (A_up @ x[t]), B_gate @ (A_gate @ x[t]))`` for a local slot whose token has an
     adapter, unweighted; every other row is exactly zero. The rank vector is accumulated in fp32 and rounded to
@@ -526,7 +526,7 @@ def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                   bank: LoRABank, *, local_expert_offset: int = 0, validate: bool = True,
                   segments: Segments | None = None, out: torch.Tensor | None = None,
                   use_triton: bool | None = None) -> torch.Tensor:
-    """The W2 LoRA delta (SPEC §5): ``w[t, k] * B_down @ (A_down @ act[t*K + k])`` per slot, not reduced.
+    """The W2 LoRA delta (docs/contract.md §5): ``w[t, k] * B_down @ (A_down @ act[t*K + k])`` per slot, not reduced.
 
     The routing weight is the caller's (e.g. fp32, not the bf16-rounded one the base path uses), multiplied in
     fp32 after the fp32 expand. Rows of non-local slots and of tokens without an adapter are exactly zero.

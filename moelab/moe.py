@@ -41,7 +41,7 @@ def routed_moe(topk, hidden_states: torch.Tensor, weights: MoEWeights, *, num_ex
                local_expert_offset: int = 0, gemm1_lora_delta: torch.Tensor | None = None,
                do_finalize: bool = True, output: torch.Tensor | None = None,
                validate: bool = True) -> list[torch.Tensor]:
-    """FlashInfer's ``trtllm_bf16_routed_moe`` contract on any backend (SPEC §3).
+    """FlashInfer's ``trtllm_bf16_routed_moe`` contract on any backend (docs/contract.md §3).
 
     Args:
         topk: packed int32 [T, K] (see :func:`moelab.pack_topk_ids_weights`) or ``(ids int [T,K], weights [T,K])``.
@@ -82,8 +82,8 @@ def routed_moe(topk, hidden_states: torch.Tensor, weights: MoEWeights, *, num_ex
 
 def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert_offset, gemm1_lora_delta,
                   do_finalize, output, validate) -> RoutedMoECall:
-    """Check :func:`routed_moe`'s arguments (SPEC §7 errors) and bundle them; ``validate`` adds the id checks
-    that read the device."""
+    """Check :func:`routed_moe`'s arguments (docs/contract.md §7 errors) and bundle them; ``validate`` adds the id
+    checks that read the device."""
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights: expected MoEWeights from prepare_weights(), got {type(weights).__name__}")
     E_local, H, I = weights.num_local_experts, weights.hidden_size, weights.intermediate_size

@@ -1,4 +1,4 @@
-"""The seed's two standalone ops (SPEC §5): ``unpermute_activation`` and ``finalize_with_w2_lora``.
+"""The seed's two standalone ops (docs/contract.md §5): ``unpermute_activation`` and ``finalize_with_w2_lora``.
 
 Each public function validates, allocates and launches the Triton kernel of ``moelab/kernels/`` when Triton
 can run on the tensors' device (a CUDA GPU, or the interpreter on CPU), else runs its torch fallback.

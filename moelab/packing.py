@@ -1,4 +1,4 @@
-"""Packed routing: one int32 word per (token, slot), as FlashInfer's routed MoE reads it (SPEC §2).
+"""Packed routing: one int32 word per (token, slot), as FlashInfer's routed MoE reads it (docs/contract.md §2).
 
     bits 31..16  global expert id, signed int16        id     = word >> 16   (arithmetic shift)
     bits 15..0   bfloat16 bit pattern of the weight    weight = (word & 0xFFFF) viewed as bf16

@@ -1,4 +1,4 @@
-"""Permuted row space: which row of the expert-sorted buffers each (token, slot) lands in (SPEC §3).
+"""Permuted row space: which row of the expert-sorted buffers each (token, slot) lands in (docs/contract.md §3).
 
     slot (expanded index)         t*K + k, the slot k of token t
     expanded_idx_to_permuted_idx  int32 [T*K]: permuted row of each slot, -1 if the slot is non-local

@@ -1,4 +1,4 @@
-"""The float64 truth: readable per-token loops for every public function of moelab (SPEC §6).
+"""The float64 truth: readable per-token loops for every public function of moelab (docs/contract.md §6).
 
 Nothing here is fast and nothing here is clever: each function states the contract in the plainest Python
 we could write, in float64 on the CPU. Kernels, notebooks and benchmarks are all checked against it.
@@ -134,7 +134,7 @@ def _silu(v: torch.Tensor) -> torch.Tensor:
 
 def routed_moe(topk_ids, topk_weights, hidden_states, w13, w2, *, local_expert_offset=0,
                gemm1_lora_delta=None) -> dict[str, torch.Tensor]:
-    """SPEC §3 in float64, per slot.
+    """docs/contract.md §3 in float64, per slot.
 
     Args:
         topk_ids: int [T,K] global ids; topk_weights [T,K] (the weights the kernel uses, e.g. bf16-decoded).
@@ -243,7 +243,7 @@ def w2_lora_delta(act, topk_ids, topk_weights, lora_ids, bank, *, local_expert_o
 
 def lora_experts(hidden_states, topk_weights, topk_ids, lora_ids, w13, w2, bank, *,
                  local_expert_offset=0) -> dict[str, torch.Tensor]:
-    """The whole LoRA-MoE forward of SPEC §5 (vLLM's ``TrtLlmBf16LoRAExperts.apply``), float64.
+    """The whole LoRA-MoE forward of docs/contract.md §5 (vLLM's ``TrtLlmBf16LoRAExperts.apply``), float64.
 
     The base term uses the weights as packing rounds them (bf16); the W2 LoRA term uses the caller's weights.
     Returns dict with ``output [T,H]``, ``base [T,H]`` (no LoRA at all) and ``lora [T,H]`` (output - base).

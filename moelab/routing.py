@@ -1,4 +1,4 @@
-"""Router logits to top-k (weights, ids): the six routing methods FlashInfer and vLLM know (SPEC §6).
+"""Router logits to top-k (weights, ids): the six routing methods FlashInfer and vLLM know (docs/contract.md §6).
 
     router_logits   [T, E]  bf16/fp16/fp32  one score per (token, expert), straight from the gate linear
     topk_ids        [T, K]  int32           chosen global experts, by descending selection score

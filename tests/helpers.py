@@ -6,7 +6,7 @@ import torch
 
 from moelab.lab import rel_err  # ||out - ref|| / ||ref|| in float64; NaN gives inf; shapes must match
 
-#: ||out - ref|| / ||ref|| bounds against the float64 reference (SPEC §7). bf16 keeps 8 bits of mantissa
+#: ||out - ref|| / ||ref|| bounds against the float64 reference (docs/contract.md §7). bf16 keeps 8 bits of mantissa
 #: (rounding 2^-9 ~ 2e-3 per element, a few roundings per path: ~3e-3 typical); fp16 keeps 11 bits;
 #: fp32 paths accumulate in fp32 (~1e-7 per op) and stay far under 1e-5.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}

@@ -1,4 +1,4 @@
-"""LoRAExperts (SPEC §5) on the torch and triton backends against ``moelab.reference.lora_experts``.
+"""LoRAExperts (docs/contract.md §5) on the torch and triton backends against ``moelab.reference.lora_experts``.
 
 Adapters are random with a large contribution, and the LoRA part alone (output - base) is compared too, so a
 broken LoRA path cannot hide under the base output. The triton backend runs twice: with the LoRA fused into its

@@ -1,5 +1,5 @@
 """Backend "flashinfer" without a Blackwell GPU: availability, preparation, the call's keyword arguments bound
-against the installed FlashInfer's signature, and the four return shapes (SPEC §3, §4).
+against the installed FlashInfer's signature, and the four return shapes (docs/contract.md §3, §4).
 
 The kernel itself runs only on SM 10.x; here a fake kernel stands in for it. The fake takes FlashInfer's
 arguments, undoes the weight layout and computes with the torch backend, and answers in FlashInfer's return

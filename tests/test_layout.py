@@ -1,4 +1,5 @@
-"""moelab.layout: FlashInfer's BF16 BlockMajorK weight layout, step by step and against FlashInfer (SPEC §4)."""
+"""moelab.layout: FlashInfer's BF16 BlockMajorK weight layout, step by step and against FlashInfer
+(docs/contract.md §4)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""moelab.lora against the float64 reference: the LoRABank and the W13 / W2 deltas (SPEC §5, §7).
+"""moelab.lora against the float64 reference: the LoRABank and the W13 / W2 deltas (docs/contract.md §5, §7).
 
 Adapters are drawn so their contribution is O(1) (A ~ randn / sqrt(width), B ~ randn), never near zero, so a
 wrong slice, adapter or expert shows up as a large relative error. Every case runs the Triton kernel (the

@@ -1,4 +1,5 @@
-"""The seed's two standalone ops (SPEC §5): Triton kernel and torch fallback against the float64 reference."""
+"""The seed's two standalone ops (docs/contract.md §5): Triton kernel and torch fallback against the float64
+reference."""
 
 import pytest
 import torch

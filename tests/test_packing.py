@@ -1,4 +1,4 @@
-"""moelab.packing against the float64 reference, including the sign-mask trap (SPEC §2)."""
+"""moelab.packing against the float64 reference, including the sign-mask trap (docs/contract.md §2)."""
 
 import pytest
 import torch

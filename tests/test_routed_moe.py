@@ -1,4 +1,4 @@
-"""The routed-MoE contract (SPEC §3) on the torch and triton backends against the float64 reference.
+"""The routed-MoE contract (docs/contract.md §3) on the torch and triton backends against the float64 reference.
 
 On a CPU the triton backend runs in Triton's interpreter; on the lent H200 the same tests run compiled.
 Permuted tensors are compared only through ``expanded_idx_to_permuted_idx``, never row by row.

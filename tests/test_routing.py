@@ -1,4 +1,4 @@
-"""moelab.route against the float64 reference, every method, plus ties, saturation and errors (SPEC §6, §7).
+"""moelab.route against the float64 reference, every method, plus ties, saturation and errors (docs/contract.md §6, §7).
 
 Ids are compared exactly and in order (descending selection score, ties to the lower id); weights by relative
 error < 1e-5 (fp32 math; bf16/fp16 logits are upcast exactly, so the reference sees the same values).

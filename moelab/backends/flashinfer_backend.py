@@ -1,13 +1,14 @@
-"""Backend "flashinfer": SPEC §3 on FlashInfer's ``trtllm_bf16_routed_moe`` (Blackwell, SM 10.x, bf16 only).
+"""Backend "flashinfer": docs/contract.md §3 on FlashInfer's ``trtllm_bf16_routed_moe`` (Blackwell, SM 10.x, bf16 only).
 
 The kernel does the work; this module only translates. :func:`prepare` converts HF-order weights to the
-BlockMajorK layout (SPEC §4) with FlashInfer's own helper when it imports, else :func:`moelab.layout.to_flashinfer`
-(the same bytes). :func:`build_call_kwargs` is the call as keyword arguments, a pure function that CPU tests
-bind against the installed FlashInfer's signature. :func:`normalize_result` maps FlashInfer's four return
-shapes (a bare tensor for ``do_finalize=True`` without a delta, ``[output]`` from 0.8.0 on; lists otherwise)
+BlockMajorK layout (docs/contract.md §4) with FlashInfer's own helper when it imports, else
+:func:`moelab.layout.to_flashinfer` (the same bytes). :func:`build_call_kwargs` is the call as keyword
+arguments, a pure function that CPU tests bind against the installed FlashInfer's signature.
+:func:`normalize_result` maps FlashInfer's four return shapes (a bare tensor for ``do_finalize=True`` without a
+delta, ``[output]`` from 0.8.0 on; lists otherwise)
 onto :class:`~moelab.contract.RoutedMoEResult`.
 
-``T = 0``: FlashInfer's routing raises on an empty batch with tuple routing, while SPEC §7 asks for empty
+``T = 0``: FlashInfer's routing raises on an empty batch with tuple routing, while docs/contract.md §7 asks for empty
 results; so an empty batch never reaches the kernel: :func:`routed_moe` returns empty results shaped as
 FlashInfer would size them (``output`` [0, H], the map [0], permuted buffers of ``ceil(65536/width)`` dead rows).
 
@@ -27,10 +28,12 @@ from moelab.backends import lora_flow
 from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.permutation import default_tile
 
-#: ``RoutingMethodType.Renormalize``. In routed mode the method only selects validation, never math (SPEC §4):
-#: weights are used as given. Renormalize accepts every top_k (Llama4 = 3 would demand top_k == 1).
+#: ``RoutingMethodType.Renormalize``. In routed mode the method only selects validation, never math
+#: (docs/contract.md §4): weights are used as given. Renormalize accepts every top_k (Llama4 = 3 would demand
+#: top_k == 1).
 ROUTING_METHOD_RENORMALIZE = 1
-#: ``WeightLayout.BlockMajorK`` and ``ActivationType.Swiglu``: what :func:`prepare` produces and SPEC §3 computes.
+#: ``WeightLayout.BlockMajorK`` and ``ActivationType.Swiglu``: what :func:`prepare` produces and what
+#: docs/contract.md §3 computes.
 #: Passed explicitly so a change of FlashInfer's defaults cannot silently change the meaning of our weights.
 WEIGHT_LAYOUT_BLOCK_MAJOR_K = 2
 ACTIVATION_SWIGLU = 3
@@ -78,7 +81,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def prepare(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """HF-order ``w13`` bf16 [E, 2I, H] and ``w2`` bf16 [E, H, I] to FlashInfer's ``gemm1_weights``
-    [E, H/64, 2I, 64] and ``gemm2_weights`` [E, I/64, H, 64] (SPEC §4). I and H must be multiples of 128."""
+    [E, H/64, 2I, 64] and ``gemm2_weights`` [E, I/64, H, 64] (docs/contract.md §4). I and H must be multiples of 128."""
     E, H, I = layout.check_flashinfer_weights(w13, w2)
     module, _ = _import_flashinfer_moe()
     if module is None:
@@ -138,7 +141,7 @@ def build_call_kwargs(call: RoutedMoECall) -> dict:
 
 def normalize_result(returned, *, do_finalize: bool, has_delta: bool,
                      output: torch.Tensor | None = None) -> RoutedMoEResult:
-    """FlashInfer's return value (SPEC §3 table) as a :class:`RoutedMoEResult`.
+    """FlashInfer's return value (docs/contract.md §3 table) as a :class:`RoutedMoEResult`.
 
     ========  =====  =================================================================================
     finalize  delta  FlashInfer returns
@@ -173,7 +176,7 @@ def normalize_result(returned, *, do_finalize: bool, has_delta: bool,
 
 
 def _empty_result(call: RoutedMoECall) -> RoutedMoEResult:
-    """T = 0 without the kernel: what it would return, sized by its formulas (SPEC §3)."""
+    """T = 0 without the kernel: what it would return, sized by its formulas (docs/contract.md §3)."""
     x, W = call.hidden_states, call.weights
     K, H, I = call.top_k, W.hidden_size, W.intermediate_size
     tile = default_tile(0, K, W.num_local_experts)

@@ -1,6 +1,6 @@
 """Backend "torch": the routed-MoE contract in plain PyTorch, any device, bf16/fp16/fp32.
 
-The executable, readable form of SPEC §3 and the slow fallback: a Python loop over local experts, each a
+The executable, readable form of docs/contract.md §3 and the slow fallback: a Python loop over local experts, each a
 gather, two fp32 matmuls and a scatter into permuted space. It synchronises with the host (``nonzero``) and
 so is not CUDA-graph capturable; the triton backend is.
 """

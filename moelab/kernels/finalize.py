@@ -1,4 +1,4 @@
-"""Fused finalize (SPEC §3 step 5 and §5): one pass that reduces over top-k and writes each output row once.
+"""Fused finalize (docs/contract.md §3 step 5 and §5): one pass that reduces over top-k and writes each output row once.
 
     out[t] = scale * sum_{k: map[t*K+k] >= 0} float(w[t,k]) * float(gemm2[map[t*K+k]])  +  sum_k float(d[t,k])
 

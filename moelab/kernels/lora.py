@@ -1,4 +1,4 @@
-"""Triton kernel of the MoE-LoRA deltas (SPEC §5): one fused shrink + expand per tile of same-adapter rows.
+"""Triton kernel of the MoE-LoRA deltas (docs/contract.md §5): one fused shrink + expand per tile of same-adapter rows.
 
 Index arrays, by name (built by :func:`moelab.lora.lora_segments` with ``moelab.permutation.build_segments``):
 
@@ -39,8 +39,8 @@ slots without a delta (no adapter, non-local expert) form the extra ``zero_group
 without reading x, A or B. A ``torch.zeros`` output would write all 403 MB twice (the fill, then the
 delta) and cost one more launch; here the zero rows cost only their own store.
 
-Precision (SPEC §5, vLLM's ``fused_moe_lora``): the shrink accumulates in fp32 and the rank vector is rounded
-to the input dtype; the expand accumulates in fp32; W2 multiplies the routing weight in fp32, then rounds.
+Precision (docs/contract.md §5, vLLM's ``fused_moe_lora``): the shrink accumulates in fp32 and the rank vector is
+rounded to the input dtype; the expand accumulates in fp32; W2 multiplies the routing weight in fp32, then rounds.
 bf16/fp16 operands go to ``tl.dot`` as they are on a GPU. In Triton's interpreter ``DOT_F32`` upcasts them to
 fp32 first, because the interpreter multiplies raw bf16 bits (triton issue 11584), and every fp32 -> bf16
 rounding goes through ``_common.to_output`` (the interpreter truncates); the values are the same, so results

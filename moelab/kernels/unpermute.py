@@ -1,4 +1,5 @@
-"""Unpermute the FC1 activation (SPEC §5): ``out[r] = act_permuted[map[r]]``, or zeros when ``map[r] == -1``.
+"""Unpermute the FC1 activation (docs/contract.md §5): ``out[r] = act_permuted[map[r]]``, or zeros when
+``map[r] == -1``.
 
 The zeros matter: the W2 LoRA sums over every slot, so a non-local slot's row must be exactly zero, never
 whatever the permuted buffer holds. Bytes: T*K rows read (local slots only) and T*K rows written.
