@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import doctest
 import inspect
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,11 +26,22 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
 
 
-def test_readme_python_blocks_run_as_written():
+def test_readme_python_blocks_run_as_written(tmp_path):
+    """The blocks in order in one namespace, as a reader pastes them; a block that says it runs under ``torchrun``
+    runs so, on 2 gloo ranks (loopback only)."""
     blocks = python_blocks(README)
     assert len(blocks) >= 2, "the README's Use section has its python blocks"
     namespace: dict = {"__name__": "__readme__"}
     for i, block in enumerate(blocks):
+        if block.startswith("# torchrun"):
+            script = tmp_path / f"readme_block_{i + 1}.py"
+            script.write_text(block)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "2", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=240)
+            assert run.returncode == 0, f"README.md python block {i + 1} under torchrun:\n{run.stderr[-3000:]}"
+            continue
         try:
             exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)
         except Exception as e:
