@@ -388,3 +388,59 @@ def test_interpreter_numpy_pair_refused_with_the_fix():
         _runtime.check_interpreter_numpy("3.6.0", "2.4.1")
     for ok in (("3.6.0", "2.3.5"), ("3.7.0", "2.4.6"), ("3.9.0", "2.4.6"), ("3.6.0", None), ("3.10.0+git1", "3.0")):
         _runtime.check_interpreter_numpy(*ok)
+
+
+# ---------------------------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+#: One argument of a valid LoRAExperts call, spoiled. Each must raise TypeError or ValueError (never another
+#: exception, never a silent result): the fuzzer checks the public entry points against that promise.
+SPOILERS = {
+    "ids out of range": lambda a: a.update(ids=a["ids"] + 2**32),
+    "ids negative": lambda a: a.update(ids=a["ids"] - E),
+    "ids float": lambda a: a.update(ids=a["ids"].float()),
+    "ids 1-D": lambda a: a.update(ids=a["ids"][:, 0]),
+    "ids duplicated": lambda a: a.update(ids=a["ids"][:, :1].expand(-1, K).contiguous()),
+    "weights short": lambda a: a.update(w=a["w"][:, :1]),
+    "weights int": lambda a: a.update(w=a["w"].long()),
+    "x dtype": lambda a: a.update(x=a["x"].double()),
+    "x width": lambda a: a.update(x=torch.randn(a["x"].shape[0], H + 1)),
+    "x list": lambda a: a.update(x=a["x"].tolist()),
+    "x 3-D": lambda a: a.update(x=a["x"][None]),
+    "T mismatch": lambda a: a.update(x=torch.randn(a["x"].shape[0] + 1, H)),
+    "lora_ids past the bank": lambda a: a.update(lora_ids=torch.full_like(a["lora_ids"], 3)),
+    "lora_ids -2": lambda a: a.update(lora_ids=torch.full_like(a["lora_ids"], -2)),
+    "lora_ids empty slot": lambda a: a.update(lora_ids=torch.full_like(a["lora_ids"], 1)),
+    "lora_ids float": lambda a: a.update(lora_ids=a["lora_ids"].float()),
+    "lora_ids 2-D": lambda a: a.update(lora_ids=a["lora_ids"][:, None]),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.integers(0, 5), seed=st.integers(0, 2**16), spoil=st.sampled_from([None, *SPOILERS]))
+def test_fuzz_lora_experts_valid_matches_reference_invalid_raises(T, seed, spoil):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = random_experts(E, H, I, torch.float32)
+    bank = moelab.LoRABank(3, E, H, I, 4, dtype=torch.float32)  # slot 1 stays empty
+    for s in (0, 2):
+        bank.set(s, **adapter(seed=s), scaling=0.5)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch")
+    args = {"x": torch.randn(T, H, generator=g), "w": random_weights(T, K, generator=g),
+            "ids": random_topk_ids(T, K, E, generator=g).long(),
+            "lora_ids": torch.tensor([(-1, 0, 2)[i] for i in torch.randint(0, 3, (T,), generator=g).tolist()],
+                                     dtype=torch.long)}
+    if spoil is None:
+        got = experts(args["x"], args["w"], args["ids"], args["lora_ids"])
+        ref = reference.lora_experts(args["x"], args["w"], args["ids"], args["lora_ids"], w13, w2, bank)["output"]
+        assert got.shape == (T, H) and torch.isfinite(got).all()
+        if T:
+            assert_close_to_reference(got, ref, torch.float32, "fuzz")
+        return
+    SPOILERS[spoil](args)
+    if T == 0 and spoil in ("ids out of range", "ids negative", "ids duplicated", "lora_ids past the bank",
+                            "lora_ids -2", "lora_ids empty slot"):
+        return  # no element carries the bad value
+    with pytest.raises((TypeError, ValueError)):
+        experts(args["x"], args["w"], args["ids"], args["lora_ids"])
