@@ -21,16 +21,16 @@ import numpy as np
 import torch
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from moelab import layout
 from moelab.lab import rel_err
 from moelab.packing import unpack_topk_ids_weights
 
-__all__ = ["COLORS", "expert_color", "save_figure", "plot_packed_bits", "plot_permutation_map",
-           "plot_error_heatmap", "plot_token_errors", "plot_partial_output", "plot_bytes", "plot_row_map",
-           "plot_layout_maps", "plot_block_major_k", "plot_roofline", "plot_times"]
+__all__ = ["COLORS", "expert_color", "save_figure", "PIPELINE_STEPS", "plot_pipeline", "plot_packed_bits",
+           "plot_permutation_map", "plot_error_heatmap", "plot_token_errors", "plot_partial_output", "plot_bytes",
+           "plot_row_map", "plot_layout_maps", "plot_block_major_k", "plot_roofline", "plot_times"]
 
 #: Field and half colours shared by every figure.
 COLORS = {
@@ -79,6 +79,89 @@ def save_figure(fig: Figure, out_dir: str | os.PathLike | None, name: str, *, dp
     path = Path(out_dir) / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+#: The steps of one MoE-LoRA layer as :func:`plot_pipeline` draws them: the moelab call, the tensors it makes
+#: (name, symbolic shape), the notebook that teaches it, and the vLLM / FlashInfer function it mirrors. Steps with
+#: ``inside`` run inside one ``moelab.routed_moe`` call (FlashInfer's ``trtllm_bf16_routed_moe``).
+PIPELINE_STEPS = (
+    dict(step="route", call="moelab.route", outputs=(("topk_ids", "[T, K]"), ("topk_weights", "[T, K]")),
+         notebook="00 (here)", mirrors="vLLM fused_topk (FusedTopKRouter)"),
+    dict(step="pack", call="moelab.pack_topk_ids_weights", outputs=(("packed", "[T, K]"),), notebook="01",
+         mirrors="vLLM trtllm_moe_pack_topk_ids_weights"),
+    dict(step="W13 delta", call="moelab.w13_lora_delta", outputs=(("gemm1_lora_delta", "[T, K, 2I] [up, gate]"),),
+         notebook="02", mirrors="vLLM apply_w13_lora(swap_w13_slices=True)"),
+    dict(step="map (routing)", call="routed_moe: sort slots by expert", inside=True,
+         outputs=(("expanded_idx_to_permuted_idx", "[T*K]"),), notebook="03",
+         mirrors="FlashInfer trtllm_bf16_routed_moe: routing"),
+    dict(step="GEMM1 + SwiGLU", call="routed_moe: x W13^T + delta, silu(gate) * up", inside=True,
+         outputs=(("gemm1_activation_output", "[R1, I] permuted"),), notebook="02, 06",
+         mirrors="FlashInfer trtllm_bf16_routed_moe: GEMM1"),
+    dict(step="GEMM2", call="routed_moe: act W2^T, do_finalize=False", inside=True,
+         outputs=(("gemm2_output", "[R2, H] permuted"),), notebook="04",
+         mirrors="FlashInfer trtllm_bf16_routed_moe: GEMM2"),
+    dict(step="unpermute", call="moelab.unpermute_activation", outputs=(("act", "[T*K, I]"),), notebook="03",
+         mirrors="vLLM _unpermute_activation_kernel"),
+    dict(step="W2 delta", call="moelab.w2_lora_delta", outputs=(("w2_delta", "[T, K, H] weighted"),),
+         notebook="05", mirrors="vLLM apply_w2_lora"),
+    dict(step="finalize", call="moelab.finalize_with_w2_lora", outputs=(("output", "[T, H]"),), notebook="04",
+         mirrors="vLLM _finalize_lora_kernel"),
+)
+
+
+def _shape_text(t) -> str:
+    dtype = str(t.dtype).replace("torch.", "")
+    return f"{list(t.shape)} {dtype}"
+
+
+def plot_pipeline(tensors: Mapping[str, torch.Tensor], ax=None, *, title: str | None = None) -> Figure:
+    """The whole MoE-LoRA layer as one picture: each step of :data:`PIPELINE_STEPS` with the real shapes and
+    dtypes of the tensors it made, the notebook that teaches it and the vLLM / FlashInfer function it mirrors.
+    The whole is ``moelab.LoRAExperts`` (vLLM's ``TrtLlmBf16LoRAExperts.apply``).
+
+    Args:
+        tensors: name -> tensor for every output named in :data:`PIPELINE_STEPS` (``topk_ids``, ``packed``,
+            ``gemm1_lora_delta``, ..., ``output``), from one real call.
+    """
+    missing = [name for s in PIPELINE_STEPS for name, _ in s["outputs"] if name not in tensors]
+    if missing:
+        raise ValueError(f"tensors: expected every pipeline tensor, missing {missing}")
+    n = len(PIPELINE_STEPS)
+    fig, ax = _axes(ax, (15, 0.75 * n + 1.6))
+    row_h = 1.0
+    top = n * row_h
+    inside = [i for i, s in enumerate(PIPELINE_STEPS) if s.get("inside")]
+    if inside:  # the routed_moe bracket
+        y0, y1 = top - (inside[-1] + 1) * row_h + 0.08, top - inside[0] * row_h - 0.08
+        ax.add_patch(Rectangle((0.005, y0), 0.99, y1 - y0, facecolor="#EEF3FA", edgecolor=COLORS["up"],
+                               linewidth=1.0, linestyle="--"))
+        ax.text(0.31, y1 - 0.03, "one call: moelab.routed_moe(do_finalize=False, gemm1_lora_delta=...) = FlashInfer "
+                "trtllm_bf16_routed_moe (vLLM invoke_routed_moe)", fontsize=8, va="top", color=COLORS["up"],
+                style="italic")
+    for i, s in enumerate(PIPELINE_STEPS):
+        y = top - (i + 0.5) * row_h - (0.1 if s.get("inside") else 0.0)
+        box = FancyBboxPatch((0.02, y - 0.3), 0.27, 0.6, boxstyle="round,pad=0.01", facecolor="white",
+                             edgecolor="#444444", linewidth=1.0)
+        ax.add_patch(box)
+        ax.text(0.03, y + 0.1, s["step"], fontsize=10, weight="bold", va="center")
+        ax.text(0.03, y - 0.14, s["call"], fontsize=7.5, va="center", family="monospace", color="#333333")
+        outs = "\n".join(f"{name} {sym} = {_shape_text(tensors[name])}" for name, sym in s["outputs"])
+        ax.text(0.31, y, outs, fontsize=8.5, va="center", family="monospace")
+        ax.text(0.72, y + 0.12, f"notebook {s['notebook']}", fontsize=8.5, va="center", color=COLORS["gate"],
+                weight="bold")
+        ax.text(0.72, y - 0.14, s["mirrors"], fontsize=8, va="center", color="#555555")
+        if i + 1 < n:
+            nxt = top - (i + 1.5) * row_h - (0.1 if PIPELINE_STEPS[i + 1].get("inside") else 0.0)
+            ax.annotate("", xy=(0.155, nxt + 0.31), xytext=(0.155, y - 0.31),
+                        arrowprops=dict(arrowstyle="->", color="#444444", linewidth=1.0))
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.3, top + 0.1)
+    ax.axis("off")
+    ax.set_title(title or "moelab.LoRAExperts, step by step = vLLM TrtLlmBf16LoRAExperts.apply", loc="left",
+                 fontsize=11)
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------- packing

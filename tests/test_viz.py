@@ -46,6 +46,8 @@ PLOTS = {
     "plot_times": lambda ax: viz.plot_times([1, 2, 4], {"x": [1e-3, 2e-3, float("nan")]}, ax, floor=[1e-4] * 3),
     "plot_row_map": lambda ax: viz.plot_row_map(moelab.layout.gemm1_row_map(16), ax, half=16),
     "plot_block_major_k": lambda ax: viz.plot_block_major_k(8, 128, ax),
+    "plot_pipeline": lambda ax: viz.plot_pipeline(
+        {name: torch.zeros(2, 3) for step in viz.PIPELINE_STEPS for name, _ in step["outputs"]}, ax),
     "plot_partial_output": lambda ax: viz.plot_partial_output(torch.randn(4, 8) * torch.tensor([1, 0, 1, 0])[:, None],
                                                               ax),
 }
@@ -149,3 +151,22 @@ def test_save_figure(tmp_path):
         viz.save_figure(fig, None, "nothing")  # OUT_DIR=None: shown only
     finally:
         plt.close(fig)
+
+
+def test_pipeline_draws_every_step_with_its_real_shape():
+    tensors = {name: torch.zeros(i + 1, 3, dtype=torch.int32) for i, (name, _) in enumerate(
+        out for step in viz.PIPELINE_STEPS for out in step["outputs"])}
+    fig = viz.plot_pipeline(tensors)
+    try:
+        texts = " ".join(t.get_text() for t in fig.axes[0].texts)
+        for step in viz.PIPELINE_STEPS:
+            assert step["step"] in texts and step["mirrors"] in texts and f"notebook {step['notebook']}" in texts
+        for name, tensor in tensors.items():
+            assert f"= {list(tensor.shape)} int32" in texts, name
+        for vllm_name in ("trtllm_moe_pack_topk_ids_weights", "_unpermute_activation_kernel", "_finalize_lora_kernel",
+                          "trtllm_bf16_routed_moe", "TrtLlmBf16LoRAExperts.apply"):
+            assert vllm_name in texts + fig.axes[0].get_title(loc="left")
+    finally:
+        plt.close(fig)
+    with pytest.raises(ValueError, match="missing \\['output'\\]"):
+        viz.plot_pipeline({k: v for k, v in tensors.items() if k != "output"})
