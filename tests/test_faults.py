@@ -60,10 +60,14 @@ def test_the_environment_variable_plants_at_import():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["unmasked-unpermute", "unpermute_activation"]
     assert "planted fault 'unmasked-unpermute'" in done.stderr
-    env["MOELAB_BREAK"] = "nope"
-    done = subprocess.run([sys.executable, "-c", "import moelab"], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode != 0 and "unknown name 'nope'" in done.stderr
+
+
+def test_an_unknown_name_in_the_environment_fails_the_import(monkeypatch):
+    monkeypatch.setenv(faults.ENV_VAR, "nope")
+    with pytest.raises(ValueError, match="unknown name 'nope'"):
+        moelab._plant_fault_from_env()  # what `import moelab` runs
+    monkeypatch.setenv(faults.ENV_VAR, "")
+    assert faults.plant_from_env() is None
 
 
 def test_break_list(capsys):
