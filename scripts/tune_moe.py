@@ -1,15 +1,18 @@
 """Sweep the triton backend's GEMM tile configs at one model shape on a GPU; print the best per T.
 
-    python scripts/tune_moe.py [--shape qwen3-30b-a3b] [--tokens 1,32,128,1024,4096,16384]
+    python scripts/tune_moe.py [--shape qwen3-30b-a3b] [--tokens 1,32,128,1024,4096,16384] [--group-m 1,8,16]
 
 ``--shape`` takes what ``python -m moelab.bench --shape`` takes (``moelab.roofline.SHAPES``, or E,K,H,I).
 
 Each candidate is checked against the torch backend before it is timed (do_bench median, 4 input sets
-rotated). The winner of each T replaces the config of its rows-per-expert bucket in
-moelab/kernels/moe_gemm_configs.json (and a copy goes to $OUT), which ``choose_config`` reads.
+rotated); each timing is printed. ``--group-m``: every candidate is also tried with these ``GemmConfig.group_m``
+(row tiles swept together down each column block), the current config's variants first. The winner of each T
+replaces the config of its rows-per-expert bucket in moelab/kernels/moe_gemm_configs.json (and a copy goes to
+$OUT), which ``choose_config`` reads.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -26,7 +29,7 @@ from moelab.permutation import build_segments, local_expert_of_slot
 from moelab.roofline import SHAPES, get_shape
 
 
-def candidates(rows_per_expert):
+def candidates(rows_per_expert, default, groups=(1,)):
     """Likely winners first (the sweep stops at its time budget). (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
     if rows_per_expert <= 4:  # weight streaming: many programs, deep pipelines
         grid = [(16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3),
@@ -38,14 +41,22 @@ def candidates(rows_per_expert):
     else:
         grid = [(128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
                 (64, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3)]
-    return [GemmConfig(*c) for c in grid]
+    configs = [default] + [GemmConfig(*c) for c in grid]
+    out = []
+    for c in configs:
+        for g in groups:
+            v = dataclasses.replace(c, group_m=g)
+            if v not in out:
+                out.append(v)
+    return out
 
 
 def record_winner(rows_per_expert, cfg):
     """Write ``cfg`` into the bucket of ``rows_per_expert`` in the package's config file (and $OUT)."""
     table = json.loads(CONFIG_FILE.read_text())
     bucket = next(b for b in table["buckets"] if rows_per_expert <= b["max_rows_per_expert"])
-    bucket["config"] = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages]
+    bucket["config"] = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages] + (
+        [cfg.group_m] if cfg.group_m != 1 else [])
     table["gpu"] = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     text = json.dumps(table, indent=2) + "\n"
     CONFIG_FILE.write_text(text)
@@ -56,11 +67,19 @@ def record_winner(rows_per_expert, cfg):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen3-30b-a3b", help=f"one of {sorted(SHAPES)} or E,K,H,I")
+    p.add_argument("--shape", action="append", help=f"one of {sorted(SHAPES)} or E,K,H,I; repeat for several "
+                   "[qwen3-30b-a3b]")
     p.add_argument("--tokens", default="1,32,128,1024,4096,16384")
     p.add_argument("--budget-s", type=float, default=60.0, help="wall-clock budget per T")
+    p.add_argument("--group-m", default="1", help="comma list of group_m values tried with every candidate")
+    p.add_argument("--max-configs", type=int, default=None, help="time at most this many candidates per T")
     args = p.parse_args()
-    shape = get_shape(args.shape)
+    for name in args.shape or ["qwen3-30b-a3b"]:
+        tune_shape(get_shape(name), args)
+        torch.cuda.empty_cache()
+
+
+def tune_shape(shape, args):
     E, K, H, I = shape.E, shape.K, shape.H, shape.I
     dev = "cuda"
     w13 = (torch.randn(E, 2 * I, H, device=dev) / H**0.5).bfloat16()
@@ -84,7 +103,7 @@ def main():
         results = []
         start = time.time()
         default = choose_config(T, K, E)  # the current file's config, timed beside the candidates
-        for cfg in [default] + candidates(T * K / E):
+        for cfg in candidates(T * K / E, default, [int(g) for g in args.group_m.split(",")])[:args.max_configs]:
             if time.time() - start > args.budget_s:
                 break
             try:
@@ -101,11 +120,14 @@ def main():
 
                 ms = triton.testing.do_bench(run, return_mode="median", warmup=10, rep=50)
                 results.append((ms, cfg))
+                print(f"  T={T} {cfg} {ms*1e3:.1f} us", flush=True)
             except Exception as e:  # a config that does not compile (shared memory) is skipped
                 print(f"  T={T} {cfg} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
         results.sort(key=lambda r: r[0])
-        if results:
-            record_winner(T * K / E, results[0][1])
+        if not results:
+            print(f"T={T:6d} no candidate ran", flush=True)
+            continue
+        record_winner(T * K / E, results[0][1])
         dflt = next((ms for ms, c in results if c == default), float("nan"))
         print(f"T={T:6d} segments {seg_ms*1e3:7.1f} us | default {dflt*1e3:8.1f} us | best {results[0][0]*1e3:8.1f} us "
               f"{results[0][1]} | 2nd {results[1][0]*1e3 if len(results) > 1 else 0:8.1f} us "

@@ -53,6 +53,11 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    #: row tiles swept together down each column block (Triton's grouped order); 1: each row tile sweeps all
+    #: columns before the next starts. Meant for experts whose weights outgrow the L2 (Mixtral: 235 MB of W13
+    #: each), where group_m tiles could share one weight block's HBM read. An optional 6th entry of a config in
+    #: moe_gemm_configs.json; every bucket is 1 today (the H200 measurements disagreed, see BENCHMARKS.md).
+    group_m: int = 1
 
 
 CONFIG_FILE = Path(__file__).with_name("moe_gemm_configs.json")
@@ -85,10 +90,27 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     if lora_columns and cfg.block_m >= 64:
         expand_operands = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize
         stages = max(1, min(stages, (_SMEM_BUDGET_LORA - expand_operands) // per_stage))
-    return GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
+    return GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages, cfg.group_m)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` over num_m x num_n tiles: with GROUP_M = 1 consecutive programs share a
+    row tile and sweep its columns; else GROUP_M row tiles go down each column block together (Triton's grouped
+    ordering), so one block of the expert's weights serves GROUP_M row tiles from the L2."""
+    if GROUP_M == 1:
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+    else:
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        size = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size
+        pid_n = (pid % per_group) // size
+    return pid_m, pid_n
+
 
 @triton.jit
 def _gemm1_swiglu_kernel(
@@ -102,13 +124,10 @@ def _gemm1_swiglu_kernel(
     HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
     wait_for_previous_kernel(USE_GDC)
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_m = pid // num_n  # consecutive programs share the gathered rows and sweep the expert's columns
-    pid_n = pid % num_n
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(I, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
@@ -195,13 +214,10 @@ def _gemm2_kernel(
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
     wait_for_previous_kernel(USE_GDC)
-    num_n = tl.cdiv(H, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(H, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -279,7 +295,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         stride_d_slot=2 * I if delta is not None else 0, stride_act_r=act.stride(0), **lora_args,
         HAS_DELTA=delta is not None, **dot_flags(x.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=H % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
     return act
 
 
@@ -297,5 +313,5 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
         stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
         **lora_args, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
     return out
