@@ -16,18 +16,26 @@ from moelab.routing import route
 __all__ = [
     "available_backends", "finalize_with_w2_lora", "LoRABank", "LoRAExperts", "lora_scaling", "w13_lora_delta",
     "w2_lora_delta", "MoEWeights", "pack_topk_ids_weights", "prepare_weights",
-    "route", "routed_moe", "set_debug", "unpack_topk_ids_weights", "unpermute_activation",
+    "route", "routed_moe", "set_debug", "unpack_topk_ids_weights", "unpermute_activation", "patch_model",
 ]
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    """``moelab.distributed`` on first use: plain ``import moelab`` stays free of the multi-process machinery."""
-    if name == "distributed":
+    """``moelab.distributed`` and ``moelab.hf`` on first use: plain ``import moelab`` stays free of the
+    multi-process machinery and of transformers."""
+    if name in ("distributed", "hf"):
         import importlib
 
-        return importlib.import_module("moelab.distributed")
+        return importlib.import_module(f"moelab.{name}")
     raise AttributeError(f"module 'moelab' has no attribute {name!r}")
+
+
+def patch_model(model, *, backend: str = "auto", routing: str = "auto"):
+    """Run a Hugging Face MoE model's experts on moelab: see :func:`moelab.hf.patch_model` (imports transformers)."""
+    from moelab.hf import patch_model as _patch_model
+
+    return _patch_model(model, backend=backend, routing=routing)
 
 
 def _plant_fault_from_env() -> None:

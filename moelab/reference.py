@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "bf16_round", "pack_topk_ids_weights", "unpack_topk_ids_weights", "route", "routed_moe",
     "unpermute_activation", "finalize_with_w2_lora", "w13_lora_delta", "w2_lora_delta", "lora_experts",
+    "ACTIVATIONS", "apply_activation",
 ]
 
 
@@ -132,24 +133,83 @@ def _silu(v: torch.Tensor) -> torch.Tensor:
     return v / (1.0 + torch.exp(-v))
 
 
+#: Expert activations: (name, gated) pairs the contract accepts. Gated ones read GEMM1's output as [gate; up].
+ACTIVATIONS = {
+    ("silu", True), ("gelu", True), ("gelu_tanh", True), ("swigluoai", True),
+    ("silu", False), ("gelu", False), ("gelu_tanh", False), ("relu2", False),
+}
+
+
+def _act(name: str, v: torch.Tensor) -> torch.Tensor:
+    """The pointwise function ``name`` in float64."""
+    if name == "silu":
+        return _silu(v)
+    if name == "gelu":  # exact: x * Phi(x)
+        return 0.5 * v * (1.0 + torch.erf(v / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * v * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+    if name == "relu2":
+        return torch.clamp(v, min=0.0) ** 2
+    raise ValueError(f"activation: unknown activation {name!r}")
+
+
+def _gated(name: str, gate: torch.Tensor, up: torch.Tensor, swiglu_alpha, swiglu_limit) -> torch.Tensor:
+    if name == "swigluoai" and swiglu_limit is None:
+        swiglu_limit = 7.0
+    if swiglu_limit is not None:
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    if name == "swigluoai":
+        alpha = 1.702 if swiglu_alpha is None else swiglu_alpha
+        return gate / (1.0 + torch.exp(-alpha * gate)) * (up + 1.0)
+    return _act(name, gate) * up
+
+
+def apply_activation(h: torch.Tensor, activation: str = "silu", *, gated: bool = True,
+                     swiglu_alpha: float | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
+    """An expert's activation of GEMM1's output ``h`` [..., 2I] (gated: [gate; up]) or [..., I] (not gated).
+
+    Gated: ``act(gate) * up``; with ``swiglu_limit`` L, gate is first clamped to ``<= L`` and up to ``[-L, L]``.
+    ``"swigluoai"`` (GPT-OSS): ``gate * sigmoid(alpha * gate) * (up + 1)``, alpha default 1.702, L default 7.
+    Not gated: ``act(h)``; ``"relu2"`` is ``relu(h)**2``.
+    """
+    if (activation, gated) not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} with gated={gated} is not one of {sorted(ACTIVATIONS)}")
+    h = _f64(h)
+    if not gated:
+        return _act(activation, h)
+    I = h.shape[-1] // 2
+    return _gated(activation, h[..., :I], h[..., I:], swiglu_alpha, swiglu_limit)
+
+
 def routed_moe(topk_ids, topk_weights, hidden_states, w13, w2, *, local_expert_offset=0,
-               gemm1_lora_delta=None) -> dict[str, torch.Tensor]:
+               gemm1_lora_delta=None, activation="silu", gated=True, w13_bias=None, w2_bias=None,
+               swiglu_alpha=None, swiglu_limit=None, apply_router_weight_on_input=False) -> dict[str, torch.Tensor]:
     """docs/contract.md §3 in float64, per slot.
 
     Args:
         topk_ids: int [T,K] global ids; topk_weights [T,K] (the weights the kernel uses, e.g. bf16-decoded).
-        hidden_states [T,H]; w13 [E_local,2I,H] HF order (rows [gate; up]); w2 [E_local,H,I].
-        gemm1_lora_delta: [T,K,2I] in **[up, gate]** order, added before SwiGLU, unweighted.
+        hidden_states [T,H]; w13 [E_local,2I,H] HF order (rows [gate; up]), or [E_local,I,H] (up) when not
+            ``gated``; w2 [E_local,H,I].
+        gemm1_lora_delta: [T,K,2I] in **[up, gate]** order (not gated: [T,K,I], up only), added before the
+            activation, unweighted.
+        activation, gated, swiglu_alpha, swiglu_limit: the expert activation (:func:`apply_activation`).
+        w13_bias: [E_local, 2I] (not gated: [E_local, I]) added to GEMM1's output, in w13's row order;
+            w2_bias: [E_local, H] added to GEMM2's output (both before the routing weight).
+        apply_router_weight_on_input: scale the expert's *input* by the routing weight and sum the expert
+            outputs unweighted (Llama-4), instead of weighting the outputs.
 
     Returns dict of float64 tensors:
-        ``output [T,H]``, ``act [T*K,I]`` (SwiGLU output per expanded slot), ``gemm2 [T*K,H]`` (unweighted
+        ``output [T,H]``, ``act [T*K,I]`` (activation output per expanded slot), ``gemm2 [T*K,H]`` (unweighted
         expert output per expanded slot), ``local [T*K] bool``. Non-local slots are zero rows.
     """
+    if (activation, gated) not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} with gated={gated} is not one of {sorted(ACTIVATIONS)}")
     x, w, W13, W2 = _f64(hidden_states), _f64(topk_weights), _f64(w13), _f64(w2)
+    b13 = _f64(w13_bias) if w13_bias is not None else None
+    b2 = _f64(w2_bias) if w2_bias is not None else None
     delta = _f64(gemm1_lora_delta) if gemm1_lora_delta is not None else None
     T, K = topk_ids.shape
-    E_local, two_i, H = W13.shape
-    I = two_i // 2
+    E_local, H, I = W2.shape
     out = torch.zeros(T, H, dtype=torch.float64)
     act = torch.zeros(T * K, I, dtype=torch.float64)
     gemm2 = torch.zeros(T * K, H, dtype=torch.float64)
@@ -160,15 +220,21 @@ def routed_moe(topk_ids, topk_weights, hidden_states, w13, w2, *, local_expert_o
             e = ids[t][k] - local_expert_offset
             if not 0 <= e < E_local:
                 continue
-            h = W13[e] @ x[t]
-            gate, up = h[:I].clone(), h[I:].clone()
+            x_in = w[t, k] * x[t] if apply_router_weight_on_input else x[t]
+            h = W13[e] @ x_in
+            if b13 is not None:
+                h = h + b13[e]
+            gate, up = (h[:I].clone(), h[I:].clone()) if gated else (None, h.clone())
             if delta is not None:
                 up += delta[t, k, :I]  # FlashInfer order: the first half of the delta is up
-                gate += delta[t, k, I:]
-            a = _silu(gate) * up
+                if gated:
+                    gate += delta[t, k, I:]
+            a = _gated(activation, gate, up, swiglu_alpha, swiglu_limit) if gated else _act(activation, up)
             y = W2[e] @ a
+            if b2 is not None:
+                y = y + b2[e]
             act[t * K + k], gemm2[t * K + k], local[t * K + k] = a, y, True
-            out[t] += w[t, k] * y
+            out[t] += y if apply_router_weight_on_input else w[t, k] * y
     return {"output": out, "act": act, "gemm2": gemm2, "local": local}
 
 
@@ -242,22 +308,32 @@ def w2_lora_delta(act, topk_ids, topk_weights, lora_ids, bank, *, local_expert_o
 
 
 def lora_experts(hidden_states, topk_weights, topk_ids, lora_ids, w13, w2, bank, *,
-                 local_expert_offset=0) -> dict[str, torch.Tensor]:
+                 local_expert_offset=0, round_weights=True, **expert_options) -> dict[str, torch.Tensor]:
     """The whole LoRA-MoE forward of docs/contract.md §5 (vLLM's ``TrtLlmBf16LoRAExperts.apply``), float64.
 
-    The base term uses the weights as packing rounds them (bf16); the W2 LoRA term uses the caller's weights.
+    The base term uses the weights as packing rounds them (bf16; ``round_weights=False``: the caller's own, as the
+    Hugging Face integration runs it); the W2 LoRA term uses the caller's weights. ``expert_options`` are
+    :func:`routed_moe`'s ``activation, gated, w13_bias, w2_bias, swiglu_alpha, swiglu_limit,
+    apply_router_weight_on_input``: not gated, only the up half of the W13 delta is used; with the router weight
+    on the input, the W13 delta sees the scaled input (it is linear in it) and the W2 delta is not weighted.
     Returns dict with ``output [T,H]``, ``base [T,H]`` (no LoRA at all) and ``lora [T,H]`` (output - base).
     """
-    weights_bf16 = bf16_round(topk_weights)
+    base_weights = bf16_round(topk_weights) if round_weights else _f64(topk_weights)
     if lora_ids is None or bank is None:
         lora_ids = torch.full((topk_ids.shape[0],), -1, dtype=torch.int64)
-    base = routed_moe(topk_ids, weights_bf16, hidden_states, w13, w2, local_expert_offset=local_expert_offset)
+    moe_args = dict(local_expert_offset=local_expert_offset, **expert_options)
+    base = routed_moe(topk_ids, base_weights, hidden_states, w13, w2, **moe_args)
     if bank is None:
         zero = torch.zeros_like(base["output"])
         return {"output": base["output"], "base": base["output"], "lora": zero}
+    on_input = expert_options.get("apply_router_weight_on_input", False)
     delta = w13_lora_delta(hidden_states, topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
-    moe = routed_moe(topk_ids, weights_bf16, hidden_states, w13, w2, local_expert_offset=local_expert_offset,
-                     gemm1_lora_delta=delta)
-    down = w2_lora_delta(moe["act"], topk_ids, topk_weights, lora_ids, bank, local_expert_offset=local_expert_offset)
+    if on_input:
+        delta = delta * base_weights.unsqueeze(-1)
+    if not expert_options.get("gated", True):
+        delta = delta[..., : bank.up_b.shape[2]]
+    moe = routed_moe(topk_ids, base_weights, hidden_states, w13, w2, gemm1_lora_delta=delta, **moe_args)
+    w2_weights = torch.ones_like(_f64(topk_weights)) if on_input else topk_weights
+    down = w2_lora_delta(moe["act"], topk_ids, w2_weights, lora_ids, bank, local_expert_offset=local_expert_offset)
     output = moe["output"] + down.sum(dim=1)
     return {"output": output, "base": base["output"], "lora": output - base["output"]}

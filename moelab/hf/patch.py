@@ -1,0 +1,499 @@
+"""``moelab.patch_model``: run every MoE block of a Hugging Face model on moelab (vLLM's ``MoEMixin`` idea).
+
+The walk finds each MoE block (the parent of an ``experts`` child holding 3-D expert parameters), then for each:
+
+    experts   the module's forward is replaced, on this instance only, by one ``moelab::hf_experts`` op with the
+              layer's LoRA bank; the parameters stay where they are (``save_pretrained`` writes the original
+              weights, ``state_dict`` is unchanged)
+    routing   "fused": the block's forward becomes router logits -> :func:`moelab.route` -> experts (+ shared
+              expert and its sigmoid gate), for a router moelab recognises; "external": the block's own forward
+              runs and hands its ``(top_k_index, top_k_weights)`` to the experts; "auto": fused where recognised
+
+A router is *recognised* by trying moelab's routing methods (with the config's top-k, ``n_group``/``topk_group``,
+``routed_scaling_factor`` and the block's ``e_score_correction_bias``) and keeping the one whose whole-block output
+matches the block's own on a probe batch; nothing matching means external routing (``routing="fused"``: an error).
+Fail closed: a fused forward is only installed after it reproduced the original.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moelab.hf.experts import (
+    ExpertsSpec,
+    UnsupportedExperts,
+    _probe_activation,
+    call_experts_op,
+    experts_spec,
+    resolve_hf_backend,
+)
+from moelab.hf.tiny import is_experts_class
+
+__all__ = ["patch_model", "PatchReport", "LayerReport", "MoELayer", "unpatch_model"]
+
+#: Config names, first hit wins (vLLM's lists, plus the v5 aliases).
+TOP_K_NAMES = ("num_experts_per_tok", "top_k", "moe_k", "moe_topk", "moe_top_k")
+SCALE_NAMES = ("routed_scaling_factor",)
+
+
+def _config_value(configs, names, default=None):
+    for config in configs:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, (list, tuple)) and value:
+                value = value[0]
+            if value is not None:
+                return value
+    return default
+
+
+@dataclass
+class LayerReport:
+    """One replaced MoE block: where, what, how routed, and why anything was left to the model."""
+
+    path: str
+    block: str
+    experts: str
+    routing: str  # "fused (<method>)" or "external"
+    backend: str
+    note: str = ""
+    metadata: object = field(default=None, repr=False)  # ExpertParallelMetadata of the layer
+
+    @property
+    def expert_map(self) -> torch.Tensor:
+        return self.metadata.expert_map
+
+
+class PatchReport(list):
+    """What :func:`patch_model` did: one :class:`LayerReport` per replaced block (empty: nothing replaced).
+
+    ``skipped``: (path, reason) of every experts module left as it was; ``adapters``: adapter name -> bank slot.
+    Expert-parallel metadata under vLLM's names: ``num_logical_experts``, ``num_physical_experts``,
+    ``num_local_physical_experts``, ``num_redundant_experts`` (of the first MoE layer; every layer's own in
+    ``report[i].metadata``, its placement in ``report[i].expert_map``) and
+    :meth:`update_physical_experts_metadata`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.skipped: list[tuple[str, str]] = []
+        self.adapters: dict[str, int] = {}
+
+    def _first(self):
+        if not self:
+            raise ValueError("report: no MoE layer was replaced, so there is no expert metadata")
+        return self[0].metadata
+
+    num_logical_experts = property(lambda self: self._first().num_logical_experts)
+    num_physical_experts = property(lambda self: self._first().num_physical_experts)
+    num_local_physical_experts = property(lambda self: self._first().num_local_physical_experts)
+    num_redundant_experts = property(lambda self: self._first().num_redundant_experts)
+    num_moe_layers = property(lambda self: len(self))
+
+    def update_physical_experts_metadata(self, num_physical_experts: int, num_local_physical_experts: int,
+                                         expert_maps=None) -> None:
+        """vLLM's hook: a new physical layout for every MoE layer (``expert_maps``: one int [P] per layer, or None)."""
+        if expert_maps is not None and len(expert_maps) != len(self):
+            raise ValueError(f"expert_maps: expected one map per MoE layer ({len(self)}), got {len(expert_maps)}")
+        for i, layer in enumerate(self):
+            layer.metadata.update_physical_experts_metadata(
+                num_physical_experts, num_local_physical_experts, None if expert_maps is None else expert_maps[i])
+
+    def __str__(self) -> str:
+        lines = [f"{len(self)} MoE layer(s) on moelab" + (f", adapters {self.adapters}" if self.adapters else "")]
+        for r in self:
+            lines.append(f"  {r.path}: {r.block} [{r.experts}] routing={r.routing} backend={r.backend}"
+                         + (f" ({r.note})" if r.note else ""))
+        for path, reason in self.skipped:
+            lines.append(f"  left alone {path}: {reason}")
+        return "\n".join(lines)
+
+    def rows(self) -> list[dict]:
+        """One dict per layer (for a table)."""
+        return [dict(path=r.path, block=r.block, experts=r.experts, routing=r.routing, backend=r.backend,
+                     note=r.note) for r in self] + [dict(path=p, block="", experts="", routing="left alone",
+                                                         backend="", note=why) for p, why in self.skipped]
+
+
+class AdapterSelection:
+    """The adapter every token of a model's next forward uses (shared by the model's MoE layers).
+
+    ``default_slot``: the PEFT model's active adapter (-1: none); ``ids``: int [B] or [B, S] set by
+    :func:`moelab.hf.adapter_ids`, on the model's device.
+    """
+
+    def __init__(self):
+        self.default_slot = -1
+        self.ids: torch.Tensor | None = None
+
+    def token_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
+        """int [T] adapter slot of each flattened token, or None when no token has one."""
+        if self.ids is None:
+            if self.default_slot < 0:
+                return None
+            return torch.full((num_tokens,), self.default_slot, dtype=torch.int32, device=device)
+        ids = self.ids
+        if ids.dim() == 2:
+            if ids.numel() != num_tokens:
+                raise ValueError(f"adapter_ids: per-token ids of shape {list(ids.shape)} do not match this forward's "
+                                 f"{num_tokens} tokens; use per-sequence ids [B] for generate()")
+            return ids.reshape(-1)
+        if num_tokens % ids.shape[0]:
+            raise ValueError(f"adapter_ids: {ids.shape[0]} per-sequence ids do not divide this forward's "
+                             f"{num_tokens} tokens")
+        return ids.repeat_interleave(num_tokens // ids.shape[0])
+
+
+class MoELayer:
+    """moelab's state for one HF experts module: backend, LoRA bank, adapter selection, EP metadata."""
+
+    def __init__(self, spec: ExpertsSpec, backend: str, selection: AdapterSelection, metadata,
+                 apply_router_weight_on_input: bool = False):
+        self.spec, self.backend, self.selection, self.metadata = spec, backend, selection, metadata
+        self.bank = None
+        self.apply_router_weight_on_input = apply_router_weight_on_input
+
+    def forward(self, experts: nn.Module, hidden_states, top_k_index, top_k_weights, **kwargs):
+        if top_k_index is None:
+            top_k_index = kwargs.pop("router_indices")
+        if top_k_weights is None:
+            top_k_weights = kwargs.pop("routing_weights")
+        lora_ids = None
+        if self.bank is not None:
+            lora_ids = self.selection.token_ids(hidden_states.shape[0], hidden_states.device)
+        return call_experts_op(experts, hidden_states, top_k_index, top_k_weights, backend=self.backend,
+                               bank=self.bank if lora_ids is not None else None, lora_ids=lora_ids,
+                               apply_router_weight_on_input=self.apply_router_weight_on_input)
+
+
+def _experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, **kwargs):
+    return self._moelab_layer.forward(self, hidden_states, top_k_index, top_k_weights, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- finding blocks
+
+def base_experts(module: nn.Module) -> nn.Module:
+    """The HF experts module under PEFT's ParamWrapper nesting (``get_base_layer`` until it stops)."""
+    while hasattr(module, "base_layer") and not isinstance(module, nn.ModuleList):
+        module = module.base_layer
+    return module
+
+
+def _is_3d_experts(module: nn.Module) -> bool:
+    params = [p for _, p in module.named_parameters(recurse=False)]
+    return bool(params) and any(p.dim() == 3 for p in params) and all(p.dim() in (2, 3) for p in params) and \
+        hasattr(module, "down_proj")
+
+
+def find_moe_blocks(model: nn.Module):
+    """[(path of the block, block, experts child name, HF experts module)] in model order."""
+    found = []
+    for path, block in model.named_modules():
+        experts = getattr(block, "_modules", {}).get("experts")
+        if experts is None:
+            continue
+        inner = base_experts(experts)
+        if is_experts_class(type(inner)) or _is_3d_experts(inner) or isinstance(inner, nn.ModuleList):
+            found.append((path, block, "experts", inner))
+    return found
+
+
+def _spec_of(experts: nn.Module, hidden_size: int | None) -> ExpertsSpec:
+    """:func:`experts_spec` for decorated classes; undecorated 3-D experts (Llama-4) read from their shapes."""
+    if is_experts_class(type(experts)):
+        return experts_spec(experts)
+    if isinstance(experts, nn.ModuleList):
+        raise UnsupportedExperts("an nn.ModuleList of per-expert MLPs: patch_model runs packed 3-D experts only "
+                                 "(stack them into one experts module first)")
+    first, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if first is None or down is None or first.dim() != 3 or down.dim() != 3:
+        raise UnsupportedExperts(f"{type(experts).__name__}: expected gate_up_proj and down_proj 3-D parameters")
+    E = first.shape[0]
+    transposed = hidden_size is not None and first.shape[1] == hidden_size and first.shape[2] != hidden_size
+    H = first.shape[1] if transposed else first.shape[2]
+    I = (first.shape[2] if transposed else first.shape[1]) // 2
+    if not hasattr(experts, "_apply_gate"):  # the probe runs act_fn(gate) * up
+        experts._apply_gate = types.MethodType(lambda self, gu: self.act_fn(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1],
+                                               experts)
+    try:
+        activation, alpha, limit = _probe_activation(experts, True, False)
+    finally:
+        experts.__dict__.pop("_apply_gate", None)
+    return ExpertsSpec(E, H, I, True, activation, alpha, limit, False, transposed, False)
+
+
+# ---------------------------------------------------------------------------------------------- fused routing
+
+def _router_of(block: nn.Module, num_experts: int, hidden_size: int):
+    """(name, module with ``weight`` [E, H] and optional ``bias`` [E]) of the block's router, or (None, None)."""
+    for name, child in block.named_children():
+        if name == "experts" or "shared" in name:
+            continue
+        for sub_name, sub in [("", child)] + list(child.named_children()):
+            w = getattr(sub, "weight", None)
+            if isinstance(w, torch.Tensor) and tuple(w.shape) == (num_experts, hidden_size):
+                return f"{name}.{sub_name}".rstrip("."), sub
+    return None, None
+
+
+def _correction_bias(block: nn.Module, num_experts: int):
+    for module in [block] + list(block.modules()):
+        for name in ("e_score_correction_bias", "expert_bias"):
+            b = getattr(module, name, None)
+            if isinstance(b, torch.Tensor) and b.numel() == num_experts:
+                return b
+    return None
+
+
+def _shared_parts(block: nn.Module):
+    """(shared expert module or None, its sigmoid gate Linear(H, 1) or None, names of other extra children)."""
+    shared, gate, others = None, None, []
+    for name, child in block.named_children():
+        if name == "experts":
+            continue
+        if "shared" in name and isinstance(child, nn.Linear) and child.out_features == 1:
+            gate = child
+        elif "shared" in name and shared is None:
+            shared = child
+    return shared, gate, others
+
+
+def _candidates(configs, num_experts: int, top_k: int, bias):
+    scale = float(_config_value(configs, SCALE_NAMES, 1.0) or 1.0)
+    n_group = _config_value(configs, ("n_group", "num_expert_group"))
+    topk_group = _config_value(configs, ("topk_group",))
+    scales = [1.0] if scale == 1.0 else [scale, 1.0]
+    out = []
+    for s in scales:
+        out += [("renormalize", dict(routed_scaling_factor=s)), ("softmax", dict(routed_scaling_factor=s))]
+        ds = dict(routed_scaling_factor=s, correction_bias=bias)
+        if n_group and num_experts % int(n_group) == 0:
+            out.append(("deepseek_v3", dict(ds, n_group=int(n_group), topk_group=int(topk_group or n_group))))
+        out.append(("deepseek_v3", ds))
+        if bias is None:
+            out.append(("sigmoid", dict(routed_scaling_factor=s)))
+    return out
+
+
+def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, method: str, route_args: dict,
+                        top_k: int, shared, shared_gate, returns_logits: bool):
+    from moelab.routing import route
+
+    def forward(block, hidden_states, *args, **kwargs):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        bias = getattr(router, "bias", None)
+        logits = nn.functional.linear(x.float(), router.weight.float(), None if bias is None else bias.float())
+        args = dict(route_args)
+        if args.get("correction_bias") is not None:
+            args["correction_bias"] = args["correction_bias"].reshape(-1)
+        weights, ids = route(logits, top_k, method, **args)
+        out = layer.forward(experts, x, ids, weights)
+        if shared is not None:
+            s = shared(x)
+            if shared_gate is not None:
+                s = torch.sigmoid(shared_gate(x)) * s
+            out = out + s
+        out = out.reshape(shape)
+        if returns_logits:
+            return out, logits.to(hidden_states.dtype)
+        return out
+
+    return forward
+
+
+def _block_close(block, fused, probe: torch.Tensor, tol: float) -> tuple[bool, float]:
+    with torch.no_grad():
+        want = block(probe)
+        got = fused(block, probe)
+    want = want[0] if isinstance(want, tuple) else want
+    got = got[0] if isinstance(got, tuple) else got
+    if want.shape != got.shape:
+        return False, math.inf
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    return err <= tol, err
+
+
+def _probe_input(block, hidden_size, device, dtype, router):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(2, 16, hidden_size, generator=g)
+    # logits of O(3): decisive routing, so rounding cannot flip a choice between the two forwards
+    scale = 3.0 / max(router.weight.detach().float().norm(dim=1).mean().item(), 1e-6)
+    return (x * scale).to(device=device, dtype=dtype)
+
+
+def _try_fuse(path, block, experts, layer, spec, configs, strict):
+    """Install a verified fused forward on ``block``; returns (routing label, note)."""
+    name, router = _router_of(block, spec.num_experts, spec.hidden_size)
+    if router is None:
+        return None, f"no router with a weight of shape [{spec.num_experts}, {spec.hidden_size}] found"
+    top_k = _config_value(configs, TOP_K_NAMES) or getattr(router, "top_k", None)
+    if not isinstance(top_k, int):
+        return None, "top-k not found in the config"
+    shared, shared_gate, _ = _shared_parts(block)
+    device, dtype = spec_device_dtype(experts)
+    probe = _probe_input(block, spec.hidden_size, device, dtype, router)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        with torch.no_grad():
+            original = block(probe)
+    except Exception as e:  # a block that needs more than hidden states (DeepSeek-V4's hash routing: input ids)
+        return None, f"the block's forward needs more than hidden states ({type(e).__name__}: {str(e)[:80]})"
+    returns_tuple = isinstance(original, tuple)
+    llama4 = layer.apply_router_weight_on_input
+    if llama4:
+        candidates = [("llama4", {})] if top_k == 1 else []
+    else:
+        candidates = _candidates(configs, spec.num_experts, top_k, _correction_bias(block, spec.num_experts))
+    errors = []
+    for method, route_args in candidates:
+        fused = _make_fused_forward(layer, experts, router, method, route_args, top_k, shared, shared_gate,
+                                    returns_tuple)
+        try:
+            ok, err = _block_close(block, fused, probe, tol)
+        except Exception as e:  # a method whose arguments this router cannot take (e.g. top_k > kept experts)
+            errors.append(f"{method}: {type(e).__name__}")
+            continue
+        errors.append(f"{method}: rel err {err:.1e}")
+        if ok:
+            block.forward = types.MethodType(fused, block)
+            scale = route_args.get("routed_scaling_factor", 1.0)
+            detail = ", ".join(f"{k}={v}" for k, v in route_args.items()
+                               if k != "correction_bias" and not (k == "routed_scaling_factor" and v == 1.0))
+            if route_args.get("correction_bias") is not None:
+                detail += (", " if detail else "") + "correction bias"
+            label = f"fused ({method}{': ' + detail if detail else ''})"
+            note = f"router {name}" + (", shared expert" if shared is not None else "") + \
+                (" with sigmoid gate" if shared_gate is not None else "")
+            if scale != 1.0:
+                note += "; routed scale in the fp32 routing weights (fp16-safe)"
+            return label, note
+    return None, "router not recognised (" + "; ".join(errors) + ")"
+
+
+def spec_device_dtype(experts: nn.Module):
+    p = next(experts.parameters())
+    return p.device, p.dtype
+
+
+# ---------------------------------------------------------------------------------------------- patch_model
+
+def _configs_of(model: nn.Module) -> list:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    configs = [config]
+    for name in ("text_config", "thinker_config", "language_config"):
+        sub = getattr(config, name, None)
+        if sub is not None:
+            configs.insert(0, sub)
+    return configs
+
+
+def patch_model(model: nn.Module, *, backend: str = "auto", routing: str = "auto") -> PatchReport:
+    """Run every MoE block of ``model`` (a ``transformers`` model, or a ``peft.PeftModel``) on moelab.
+
+    Args:
+        model: patched in place; it stays a normal HF model (``generate``, ``torch.compile``, ``save_pretrained``
+            of the original weights).
+        backend: "auto" (triton on a CUDA GPU where its kernels run the layer's activation and biases, else
+            torch), "torch" or "triton".
+        routing: "auto" (fused where the router is recognised, else external), "fused" (error where not
+            recognised) or "external" (keep the model's router; its top-k goes to moelab).
+
+    Returns:
+        :class:`PatchReport`. On a PeftModel the LoRA adapters on the experts move into each layer's
+        :class:`moelab.LoRABank` (``report.adapters``: name -> slot) and PEFT's own expert wrapping is removed;
+        see :mod:`moelab.hf.peft`.
+
+    Example:
+        >>> import moelab
+        >>> from moelab.hf.tiny import tiny_causal_lm
+        >>> report = moelab.patch_model(tiny_causal_lm("qwen3_moe"), backend="torch")
+        >>> len(report), report[0].routing
+        (2, 'fused (renormalize)')
+    """
+    from moelab.distributed.metadata import ExpertParallelMetadata
+
+    if routing not in ("auto", "fused", "external"):
+        raise ValueError(f"routing: expected 'auto', 'fused' or 'external', got {routing!r}")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton' (flashinfer's closed kernel has no "
+                         f"activations or biases to offer here), got {backend!r}")
+    peft_adapters = None
+    root = model
+    if _is_peft_model(model):
+        from moelab.hf.peft import bypass_expert_wrappers, collect_peft_expert_adapters
+
+        peft_adapters = collect_peft_expert_adapters(model)
+        root = model.get_base_model()
+        bypass_expert_wrappers(root)  # before the probes: they compare base blocks, LoRA comes with the banks
+    configs = _configs_of(root)
+    hidden_size = _config_value(configs, ("hidden_size", "d_model"))
+    report = PatchReport()
+    selection = root.__dict__.setdefault("_moelab_selection", AdapterSelection())
+    for path, block, child_name, experts in find_moe_blocks(root):
+        try:
+            spec = _spec_of(experts, hidden_size)
+        except UnsupportedExperts as e:
+            report.skipped.append((f"{path}.{child_name}", str(e)))
+            continue
+        device, _ = spec_device_dtype(experts)
+        chosen = resolve_hf_backend(backend, spec, device)
+        if backend == "triton" and not spec.is_default:
+            from moelab.hf.experts import _triton_runs
+
+            if not _triton_runs(spec):
+                raise ValueError(f"backend: the triton kernels do not run {path}.{child_name} "
+                                 f"({spec.describe()}); use backend='torch' or 'auto'")
+        undecorated = not is_experts_class(type(experts))
+        layer = MoELayer(spec, chosen, selection, ExpertParallelMetadata(spec.num_experts),
+                         apply_router_weight_on_input=undecorated)
+        experts.__dict__["_moelab_layer"] = layer
+        if not undecorated:  # an undecorated module (Llama-4) takes dense inputs: only the fused forward calls it
+            experts.forward = types.MethodType(_experts_forward, experts)
+        label, note = None, ""
+        if routing != "external" or undecorated:
+            label, note = _try_fuse(path, block, experts, layer, spec, configs, strict=routing == "fused")
+            if label is None and (routing == "fused" or undecorated):
+                experts.__dict__.pop("forward", None)
+                experts.__dict__.pop("_moelab_layer", None)
+                if routing == "fused" and not undecorated:
+                    raise ValueError(f"routing: 'fused' asked, but the router of {path} ({type(block).__name__}) is "
+                                     f"not one moelab recognises: {note}; use routing='auto' or 'external'")
+                report.skipped.append((f"{path}.{child_name}", f"its experts take dense routed inputs and {note}"))
+                continue
+        if label is None:
+            label = "external"
+            note = note if routing == "auto" else "routing='external'"
+        if backend == "auto" and chosen == "torch" and device.type == "cuda":
+            note += ("; " if note else "") + "torch backend: the triton kernels do not run this activation/bias yet"
+        report.append(LayerReport(path, type(block).__name__, spec.describe(), label, chosen, note,
+                                  layer.metadata))
+    if peft_adapters is not None:
+        from moelab.hf.peft import install_adapters
+
+        install_adapters(model, root, report, peft_adapters)
+    root.__dict__["_moelab_report"] = report
+    return report
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo :func:`patch_model` (the HF forwards come back; adapters imported from PEFT stay in moelab's bank
+    and are dropped)."""
+    for module in model.modules():
+        for name in ("forward", "_moelab_layer"):
+            module.__dict__.pop(name, None)
