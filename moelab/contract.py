@@ -30,7 +30,14 @@ from moelab.permutation import max_live_rows
 if TYPE_CHECKING:  # annotations only: moelab.lora stays a sibling, not a dependency
     from moelab.lora import LoRABank
 
-__all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "LoRAExpertsCall", "permuted_rows"]
+__all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "LoRAExpertsCall", "permuted_rows", "ACTIVATIONS"]
+
+#: Expert activations, as ``(activation, gated)`` pairs (:func:`moelab.prepare_weights`). Gated ones read GEMM1's
+#: output as ``[gate; up]``: ``act(gate) * up``, or GPT-OSS's ``"swigluoai"``; not gated: ``act(up)``.
+ACTIVATIONS = frozenset({
+    ("silu", True), ("gelu", True), ("gelu_tanh", True), ("swigluoai", True),
+    ("silu", False), ("gelu", False), ("gelu_tanh", False), ("relu2", False),
+})
 
 
 @dataclass
@@ -53,6 +60,18 @@ class MoEWeights:
     num_local_experts: int
     hidden_size: int
     intermediate_size: int
+    activation: str = "silu"  # with ``gated``: one of ACTIVATIONS
+    gated: bool = True  # GEMM1 is [E_local, 2I, H] rows [gate; up]; not gated: [E_local, I, H] (up only)
+    swiglu_alpha: float | None = None  # "swigluoai" only (default 1.702)
+    swiglu_limit: float | None = None  # gated: gate <= L, |up| <= L before the activation ("swigluoai": 7)
+    gemm1_bias: torch.Tensor | None = None  # [E_local, 2I] ([gate; up]) or [E_local, I], GEMM1's dtype
+    gemm2_bias: torch.Tensor | None = None  # [E_local, H]
+
+    @property
+    def is_swiglu(self) -> bool:
+        """Plain SwiGLU without biases or clamp: what every backend's kernels run."""
+        return (self.activation == "silu" and self.gated and self.swiglu_limit is None
+                and self.gemm1_bias is None and self.gemm2_bias is None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -79,10 +98,11 @@ class RoutedMoECall:
     num_experts: int
     top_k: int
     local_expert_offset: int
-    gemm1_lora_delta: torch.Tensor | None  # [T, K, 2I] [up, gate]
+    gemm1_lora_delta: torch.Tensor | None  # [T, K, 2I] [up, gate] ([T, K, I] up only when not gated)
     do_finalize: bool
     output: torch.Tensor | None  # [T, H]
     _decoded: tuple[torch.Tensor, torch.Tensor] | None = None
+    apply_router_weight_on_input: bool = False  # scale each slot's input by its weight, sum outputs unweighted
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._decoded is None:

@@ -12,6 +12,8 @@ import struct
 
 import torch
 
+from moelab.contract import ACTIVATIONS  # (activation, gated) pairs the contract accepts
+
 __all__ = [
     "bf16_round", "pack_topk_ids_weights", "unpack_topk_ids_weights", "route", "routed_moe",
     "unpermute_activation", "finalize_with_w2_lora", "w13_lora_delta", "w2_lora_delta", "lora_experts",
@@ -131,13 +133,6 @@ def route(router_logits, top_k, method="renormalize", *, n_group=None, topk_grou
 
 def _silu(v: torch.Tensor) -> torch.Tensor:
     return v / (1.0 + torch.exp(-v))
-
-
-#: Expert activations: (name, gated) pairs the contract accepts. Gated ones read GEMM1's output as [gate; up].
-ACTIVATIONS = {
-    ("silu", True), ("gelu", True), ("gelu_tanh", True), ("swigluoai", True),
-    ("silu", False), ("gelu", False), ("gelu_tanh", False), ("relu2", False),
-}
 
 
 def _act(name: str, v: torch.Tensor) -> torch.Tensor:

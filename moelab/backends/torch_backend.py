@@ -1,8 +1,9 @@
 """Backend "torch": the routed-MoE contract in plain PyTorch, any device, bf16/fp16/fp32.
 
 The executable, readable form of docs/contract.md §3 and the slow fallback: a Python loop over local experts, each a
-gather, two fp32 matmuls and a scatter into permuted space. It synchronises with the host (``nonzero``) and
-so is not CUDA-graph capturable; the triton backend is.
+gather, two fp32 matmuls and a scatter into permuted space. It runs every expert activation (SwiGLU, GELU(-tanh)
+gated, GPT-OSS's clamped SwiGLU, non-gated relu2/gelu/silu), GEMM biases and the router weight on the input. It
+synchronises with the host (``nonzero``) and so is not CUDA-graph capturable; the triton backend is.
 """
 
 from __future__ import annotations
@@ -24,6 +25,39 @@ def prepare(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return w13.contiguous(), w2.contiguous()
 
 
+def expert_options_reason(**options) -> str | None:
+    """Every activation, bias and the router weight on the input run here."""
+    return None
+
+
+def _act(name: str, v: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return torch.nn.functional.silu(v)
+    if name == "gelu":
+        return torch.nn.functional.gelu(v)
+    if name == "gelu_tanh":
+        return torch.nn.functional.gelu(v, approximate="tanh")
+    if name == "relu2":
+        return torch.relu(v).square()
+    raise ValueError(f"activation: unknown activation {name!r}")
+
+
+def activate(gate: torch.Tensor | None, up: torch.Tensor, *, activation: str = "silu", gated: bool = True,
+             swiglu_alpha: float | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
+    """The expert activation (see :func:`moelab.prepare_weights`) on fp32 ``gate`` / ``up`` [n, I] (``gate``
+    None when not gated)."""
+    if not gated:
+        return _act(activation, up)
+    if activation == "swigluoai" and swiglu_limit is None:
+        swiglu_limit = 7.0
+    if swiglu_limit is not None:
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    if activation == "swigluoai":
+        alpha = 1.702 if swiglu_alpha is None else swiglu_alpha
+        return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
+    return _act(activation, gate) * up
+
+
 def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
     x, ids, W = call.hidden_states, call.topk_ids, call.weights
     T, K = ids.shape
@@ -34,26 +68,40 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
     act_perm = torch.full((permuted_rows(T, K, call.num_experts, tile, I), I), fill, dtype=x.dtype, device=x.device)
     gemm2 = torch.full((permuted_rows(T, K, call.num_experts, tile, H), H), fill, dtype=x.dtype, device=x.device)
     local_expert = local_expert_of_slot(ids, call.local_expert_offset)
-    delta = None if call.gemm1_lora_delta is None else call.gemm1_lora_delta.reshape(T * K, 2 * I)
+    delta = None
+    if call.gemm1_lora_delta is not None:
+        delta = call.gemm1_lora_delta.reshape(T * K, -1)
+    on_input = call.apply_router_weight_on_input
+    slot_weights = call.expert_weights.reshape(-1) if on_input else None
+    options = dict(activation=W.activation, gated=W.gated, swiglu_alpha=W.swiglu_alpha, swiglu_limit=W.swiglu_limit)
     for e in range(E_local):
         slots = (local_expert == e).nonzero().squeeze(1)  # expanded indices, ascending = token-ascending
         if slots.numel() == 0:
             continue
-        h = x[slots // K].float() @ W.gemm1_weights[e].float().T  # [n, 2I], HF order: [gate | up]
-        gate, up = h[:, :I], h[:, I:]
+        xs = x[slots // K]
+        if on_input:  # Llama-4: the expert sees w * x, rounded to the input dtype as the model rounds it
+            xs = (xs.float() * slot_weights[slots].float()[:, None]).to(x.dtype)
+        h = xs.float() @ W.gemm1_weights[e].float().T  # [n, 2I], HF order: [gate | up] (not gated: [n, I] up)
+        if W.gemm1_bias is not None:
+            h = h + W.gemm1_bias[e].float()
+        gate, up = (h[:, :I], h[:, I:]) if W.gated else (None, h)
         if delta is not None:
             d = delta[slots].float()
             up = up + d[:, :I]  # the delta is in FlashInfer order: up first
-            gate = gate + d[:, I:]
-        act = (torch.nn.functional.silu(gate) * up).to(x.dtype)  # rounded once to the input dtype
-        y = (act.float() @ W.gemm2_weights[e].float().T).to(x.dtype)
+            if W.gated:
+                gate = gate + d[:, I:]
+        act = activate(gate, up, **options).to(x.dtype)  # rounded once to the input dtype
+        y = act.float() @ W.gemm2_weights[e].float().T
+        if W.gemm2_bias is not None:
+            y = y + W.gemm2_bias[e].float()
         rows = e2p[slots].long()
         act_perm[rows] = act
-        gemm2[rows] = y
+        gemm2[rows] = y.to(x.dtype)
     output = None
     if call.do_finalize:
         out = call.output if call.output is not None else torch.empty(T, H, dtype=x.dtype, device=x.device)
-        output = finalize_torch(out, gemm2, call.expert_weights, e2p, None)
+        weights = torch.ones_like(call.expert_weights) if on_input else call.expert_weights
+        output = finalize_torch(out, gemm2, weights, e2p, None)
     return RoutedMoEResult(output, gemm2, e2p, act_perm)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moelab.backends.torch_backend import activate
 from moelab.lora import LoRABank, w2_lora_delta, w13_lora_delta
 from moelab.moe import MoEWeights, prepare_weights, routed_moe
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
@@ -82,24 +83,6 @@ class ExpertsSpec:
 
 # ---------------------------------------------------------------------------------------------- activation probe
 
-def _act_f32(name: str, v: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return nn.functional.silu(v)
-    if name == "gelu":
-        return nn.functional.gelu(v)
-    if name == "gelu_tanh":
-        return nn.functional.gelu(v, approximate="tanh")
-    return torch.relu(v) ** 2  # relu2
-
-
-def _gated_f32(name: str, gate, up, alpha, limit):
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    if name == "swigluoai":
-        return gate * torch.sigmoid(alpha * gate) * (up + 1)
-    return _act_f32(name, gate) * up
-
-
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a - b).abs() <= 1e-4 * (1 + b.abs())).all())
 
@@ -125,7 +108,7 @@ def _probe_activation(module: nn.Module, gated: bool, interleaved: bool) -> tupl
         with torch.no_grad():
             got = act_fn(grid.clone())
         for name in ("silu", "gelu", "gelu_tanh", "relu2"):
-            if _close(got, _act_f32(name, grid)):
+            if _close(got, activate(None, grid, activation=name, gated=False)):
                 return name, None, None
         raise UnsupportedExperts(f"{type(module).__name__}: its activation {type(act_fn).__name__} is none of "
                                  f"moelab's non-gated activations (silu, gelu, gelu_tanh, relu2)")
@@ -142,7 +125,7 @@ def _probe_activation(module: nn.Module, gated: bool, interleaved: bool) -> tupl
     candidates = [(name, None, limit) for name in ("silu", "gelu", "gelu_tanh") for limit in limits]
     candidates += [("swigluoai", alpha, limit) for alpha in alphas for limit in limits[1:] or [7.0]]
     for name, alpha, limit in candidates:
-        if _close(got, _gated_f32(name, gate, up, alpha, limit)):
+        if _close(got, activate(gate, up, activation=name, swiglu_alpha=alpha, swiglu_limit=limit)):
             return name, alpha, limit
     raise UnsupportedExperts(
         f"{type(module).__name__}: its gate ({'_apply_gate' if '_apply_gate' in type(module).__dict__ else 'act_fn'}"
@@ -232,12 +215,11 @@ def resolve_hf_backend(backend: str, spec: ExpertsSpec, device: torch.device) ->
 def _triton_runs(spec: ExpertsSpec) -> bool:
     try:
         from moelab.backends import triton_backend
-
-        supports = getattr(triton_backend, "supports", None)
     except ImportError:
         return False
-    return spec.is_default or (supports is not None and supports(**spec.activation_options(),
-                                                                   has_bias=spec.has_bias))
+    options = dict(activation=spec.activation, gated=spec.gated, swiglu_alpha=spec.swiglu_alpha,
+                   swiglu_limit=spec.swiglu_limit, has_bias=spec.has_bias)
+    return triton_backend.expert_options_reason(**options) is None
 
 
 _WEIGHTS_CACHE: dict[tuple, tuple] = {}
@@ -291,7 +273,7 @@ def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     if apply_router_weight_on_input:  # the expert sees w * x; its LoRA delta is linear in x
         delta = (delta.float() * top_k_weights.float()[..., None]).to(delta.dtype)
     I = weights.intermediate_size
-    if getattr(weights, "gated", True) is False:
+    if not weights.gated:
         delta = delta[..., :I].contiguous()  # not gated: the up half only
     gemm2, expert_weights, e2p, act = routed_moe((ids, top_k_weights), hidden_states, weights,
                                                  gemm1_lora_delta=delta, do_finalize=False, **moe_args)

@@ -293,7 +293,10 @@ def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, 
         if args.get("correction_bias") is not None:
             args["correction_bias"] = args["correction_bias"].reshape(-1)
         weights, ids = route(logits, top_k, method, **args)
-        out = layer.forward(experts, x, ids, weights)
+        if layer.apply_router_weight_on_input:  # Llama-4's experts take dense inputs: moelab's op directly
+            out = layer.forward(experts, x, ids, weights)
+        else:  # through the module, so its hooks see the call
+            out = experts(x, ids, weights)
         if shared is not None:
             s = shared(x)
             if shared_gate is not None:

@@ -238,7 +238,7 @@ def tiny_experts(family: str, experts_cls: type, *, seed: int = 0, dtype: torch.
         raise TinyModelError(f"{family}: {experts_cls.__name__} at toy sizes: {type(e).__name__}: {e}") from e
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             if p.dim() == 3:
                 p.copy_(torch.randn(p.shape, generator=g) / min(p.shape[1:]) ** 0.5)
             else:

@@ -1,0 +1,283 @@
+"""Whole-model speed of a Hugging Face MoE stack on moelab against HF's own experts backends.
+
+    python -m moelab.hf.bench --shape qwen3-30b-a3b --layers 4 --tokens 1,128,4096     (a GPU)
+    python -m moelab.hf.bench --shape gpt-oss-20b --layers 2
+    python -m moelab.hf.bench --tiny                                                   (CPU smoke run)
+
+A random stack of ``--layers`` decoder layers of the real model's sizes (random weights: speed does not depend on
+them; the vocabulary is cut to ``--vocab`` so the LM head does not dominate) is timed, one forward of one
+sequence of T tokens, for:
+
+    eager        transformers' own per-expert loop
+    grouped_mm   transformers' default experts backend
+    moelab       moelab.patch_model (backend "auto": triton on a GPU where its kernels run the family)
+    peft         grouped_mm + one PEFT LoRA adapter on the experts (``target_parameters``), PEFT's forward
+    moelab+lora  the same PeftModel after moelab.patch_model: the adapter runs unmerged in moelab's bank
+
+plus the experts' share of the moelab forward (CUDA events around every experts call) against the same experts
+called alone on the same inputs, and greedy ``generate()`` tokens/s. Every moelab row is checked against HF
+(logits relative error). Prints a Markdown table; ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+#: Real sizes (from the models' config.json). The vocabulary is --vocab, not the real one.
+SHAPES = {
+    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                          num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, norm_topk_prob=True),
+    "gpt-oss-20b": dict(family="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                        num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        sliding_window=128),
+    "tiny": dict(family="qwen3_moe"),
+}
+
+
+def build(shape: str, layers: int, vocab: int, dtype: torch.dtype, device: torch.device):
+    """A random causal LM of ``shape``'s sizes with ``layers`` layers (routers scaled, experts O(1))."""
+    from moelab.hf.tiny import scale_routers, tiny_config
+
+    sizes = dict(SHAPES[shape])
+    family = sizes.pop("family")
+    config = tiny_config(family, **sizes)
+    config.num_hidden_layers = layers
+    if shape != "tiny":
+        config.vocab_size = vocab
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        kinds = list(dict.fromkeys(config.layer_types))
+        config.layer_types = (kinds * layers)[:layers]
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
+    scale_routers(model, generator=torch.Generator().manual_seed(1))
+    return model.eval()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device, *, warmup: int = 2, iters: int = 5) -> float:
+    """Median seconds of ``fn()`` (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class ExpertsTimer:
+    """Records (inputs, CUDA events) around every experts module call, to split the experts' share out."""
+
+    def __init__(self, model):
+        from moelab.hf.patch import base_experts
+
+        self.calls, self.handles, self.enabled = [], [], False
+        for name, module in model.named_modules():
+            if name.endswith(".experts"):
+                inner = base_experts(module)
+                self.handles.append(inner.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self.handles.append(inner.register_forward_hook(self._post))
+
+    def _pre(self, module, args, kwargs):
+        if self.enabled:
+            event = torch.cuda.Event(enable_timing=True) if args[0].is_cuda else None
+            if event is not None:
+                event.record()
+            self.calls.append([module, args, event, time.perf_counter(), None, None])
+
+    def _post(self, module, args, output):
+        if self.enabled:
+            event = torch.cuda.Event(enable_timing=True) if output.is_cuda else None
+            if event is not None:
+                event.record()
+            self.calls[-1][4], self.calls[-1][5] = event, time.perf_counter()
+
+    def seconds(self) -> float:
+        total = 0.0
+        for _, _, start, t0, end, t1 in self.calls:
+            total += start.elapsed_time(end) / 1e3 if start is not None else t1 - t0
+        return total
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def experts_share(model, ids, device) -> tuple[float, float]:
+    """(seconds in the experts inside one forward, seconds of the same experts calls made alone)."""
+    timer = ExpertsTimer(model)
+    with torch.no_grad():
+        model(ids)  # warm
+        timer.enabled = True
+        model(ids)
+        _sync(device)
+        timer.enabled = False
+    inside = timer.seconds()
+    calls = [(m, a) for m, a, *_ in timer.calls]
+    timer.remove()
+
+    def alone():
+        for module, args in calls:
+            module(*args)
+
+    with torch.no_grad():
+        return inside, time_call(alone, device)
+
+
+def generate_tokens_per_s(model, prompt, new_tokens: int, device) -> float:
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(prompt, **kwargs)  # warm
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(prompt, **kwargs)
+        _sync(device)
+    return new_tokens / (time.perf_counter() - t0)
+
+
+def _peft(model, rank: int):
+    import peft
+
+    block = next(n for n, _ in model.named_modules() if n.endswith(".experts")).split(".")[-2]
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[], init_lora_weights=False,
+                             target_parameters=[f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"])
+    torch.manual_seed(2)
+    pm = peft.get_peft_model(model, config).eval()
+    with torch.no_grad():  # keep the adapter's effect O(1) at real sizes
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.1)
+    return pm
+
+
+def run(args) -> list[dict]:
+    import moelab.hf  # noqa: F401  (registers the experts implementations)
+    from moelab.lab import rel_err
+
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    base = build(args.shape, args.layers, args.vocab, dtype, device)
+    models = {"eager": base}
+    for impl in ("grouped_mm",):
+        m = copy.deepcopy(base)
+        try:
+            m.set_experts_implementation(impl)
+            models[impl] = m
+        except Exception as e:  # e.g. no grouped_mm on this torch/device
+            print(f"# {impl}: not available here ({type(e).__name__}: {e})", file=sys.stderr)
+    patched = copy.deepcopy(base)
+    report = moelab.hf.patch_model(patched, backend=args.backend)
+    models["moelab"] = patched
+    print(f"# {report}".replace("\n", "\n# "), file=sys.stderr)
+    if args.lora_rank:
+        reference = models.get("grouped_mm", base)
+        models["peft"] = _peft(copy.deepcopy(reference), args.lora_rank)
+        lora = _peft(copy.deepcopy(base), args.lora_rank)
+        moelab.hf.patch_model(lora, backend=args.backend)
+        models["moelab+lora"] = lora
+    rows = []
+    for T in args.tokens:
+        ids = torch.randint(3, min(args.vocab, base.config.vocab_size), (1, T), device=device,
+                            generator=torch.Generator(device).manual_seed(T) if device.type == "cuda" else None)
+        truth = {}
+        for name, model in models.items():
+            if name == "eager" and T > args.eager_max_tokens:
+                continue
+            with torch.no_grad():
+                logits = model(ids).logits
+            seconds = time_call(lambda m=model, x=ids: m(x), device, iters=args.iters)
+            row = dict(shape=args.shape, layers=args.layers, T=T, impl=name, ms=seconds * 1e3)
+            ref_name = "peft" if name == "moelab+lora" else "grouped_mm" if "grouped_mm" in models else "eager"
+            if name in ("eager", "grouped_mm", "peft"):
+                truth[name] = logits
+            if name.startswith("moelab") and ref_name in truth:
+                row["rel_err_vs"] = f"{rel_err(logits, truth[ref_name]):.1e} vs {ref_name}"
+            if name == "moelab":
+                inside, alone = experts_share(model, ids, device)
+                row["experts_ms"], row["experts_alone_ms"] = inside * 1e3, alone * 1e3
+            rows.append(row)
+    if args.generate:
+        prompt = torch.randint(3, 100, (1, args.prompt), device=device)
+        for name in ("grouped_mm", "eager", "moelab"):
+            if name in models:
+                rows.append(dict(shape=args.shape, layers=args.layers, T=f"generate {args.generate}", impl=name,
+                                 tokens_per_s=generate_tokens_per_s(models[name], prompt, args.generate, device)))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    from moelab.lab import markdown_table
+
+    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "experts_alone_ms", "tokens_per_s", "rel_err_vs"]
+    return markdown_table([{k: row.get(k, "") for k in keys} for row in rows])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; gpt-oss 2)")
+    parser.add_argument("--tokens", default=None, help="comma-separated T, one sequence of T tokens (1,128,4096)")
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: no PEFT rows")
+    parser.add_argument("--generate", type=int, default=None, help="greedy new tokens for tokens/s (32; 0: skip)")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per row, median (10; --tiny 2)")
+    parser.add_argument("--eager-max-tokens", type=int, default=1024, help="skip the (slow) eager loop above this T")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes on any device (a smoke run)")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shape, args.prompt, args.lora_rank = "tiny", 4, min(args.lora_rank, 4)
+    big = not args.tiny
+    args.tokens = args.tokens or ("1,128,4096" if big else "1,8")
+    args.iters = args.iters or (10 if big else 2)
+    args.generate = (32 if big else 4) if args.generate is None else args.generate
+    args.layers = args.layers or (2 if args.shape == "gpt-oss-20b" else 4 if args.shape != "tiny" else 2)
+    args.dtype = args.dtype or ("bf16" if torch.cuda.is_available() and not args.tiny else "fp32")
+    args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    rows = run(args)
+    print(markdown(rows))
+    import peft
+
+    print(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The whole-model benchmark runs end to end at toy sizes (its numbers mean nothing on a CPU) and checks itself."""
+
+import json
+
+import pytest
+
+import moelab  # noqa: F401  (first: Triton's interpreter set-up)
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+def test_bench_tiny(tmp_path, capsys):
+    from moelab.hf import bench
+
+    out = tmp_path / "rows.json"
+    assert bench.main(["--tiny", "--tokens", "3", "--iters", "1", "--generate", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    impls = {r["impl"] for r in rows if r["T"] == 3}
+    assert {"eager", "grouped_mm", "moelab", "peft", "moelab+lora"} <= impls
+    for row in rows:
+        if row["impl"].startswith("moelab") and "rel_err_vs" in row:
+            assert float(row["rel_err_vs"].split()[0]) < 1e-4, row  # moelab agrees with HF / PEFT
+    moelab_row = next(r for r in rows if r["impl"] == "moelab" and r["T"] == 3)
+    assert moelab_row["experts_ms"] > 0 and moelab_row["experts_alone_ms"] > 0
+    assert any("tokens_per_s" in r for r in rows)
+    assert "| moelab |" in capsys.readouterr().out
