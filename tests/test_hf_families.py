@@ -143,3 +143,36 @@ def test_triton_bf16_logits(family):
     assert report and all(r.backend == "triton" for r in report)
     err = rel_err(_logits(patched, ids), eager)
     assert err < 3e-2, f"{family}: bf16 triton logits vs HF eager {err:.2e}"
+
+
+def test_routing_fused_where_recognised_and_metadata():
+    """Fused routing is chosen per router (and only where it reproduces the block); EPLB metadata per layer."""
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    expect = {"mixtral": "fused (renormalize)", "qwen2_moe": "fused (softmax)", "deepseek_v3": "fused (deepseek_v3"}
+    for family, label in expect.items():
+        model = tiny_causal_lm(family)
+        eager = _logits(model, ids)
+        report = moelab.patch_model(model, backend="torch", routing="fused")
+        assert all(r.routing.startswith(label) for r in report), f"{family}: {report}"
+        assert rel_err(_logits(model, ids), eager) < 1e-4
+    assert "correction bias" in report[0].routing and "routed_scaling_factor=2.5" in report[0].routing
+    assert report.num_logical_experts == report.num_physical_experts == 4 and report.num_redundant_experts == 0
+    report.update_physical_experts_metadata(8, 4, [torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])] * len(report))
+    assert report.num_redundant_experts == 4 and report[0].expert_map.tolist() == [0, 1, 2, 3, 3, 2, 1, 0]
+    ernie = tiny_causal_lm("ernie4_5_moe")  # clamped renormalisation with a bias: not one of moelab's methods
+    with pytest.raises(ValueError, match="routing: 'fused'"):
+        moelab.patch_model(copy.deepcopy(ernie), backend="torch", routing="fused")
+    report = moelab.patch_model(ernie, routing="external", backend="torch")
+    assert report and all(r.routing == "external" for r in report)
+
+
+def test_llama4_router_weight_on_the_input():
+    """Llama-4's experts are not decorated and take dense inputs: patch_model fuses its top-1 sigmoid router and
+    applies the weight to the expert's input."""
+    model = tiny_causal_lm("llama4", num_experts_per_tok=1)
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    eager = _logits(model, ids)
+    report = moelab.patch_model(model, backend="torch")
+    assert len(report) == 2 and all(r.routing == "fused (llama4)" for r in report), report
+    err = rel_err(_logits(model, ids), eager)
+    assert err < 1e-4, f"llama4 logits vs HF eager {err:.2e}"

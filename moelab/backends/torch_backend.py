@@ -70,7 +70,7 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
     local_expert = local_expert_of_slot(ids, call.local_expert_offset)
     delta = None
     if call.gemm1_lora_delta is not None:
-        delta = call.gemm1_lora_delta.reshape(T * K, -1)
+        delta = call.gemm1_lora_delta.reshape(T * K, call.gemm1_lora_delta.shape[-1])
     on_input = call.apply_router_weight_on_input
     slot_weights = call.expert_weights.reshape(-1) if on_input else None
     options = dict(activation=W.activation, gated=W.gated, swiglu_alpha=W.swiglu_alpha, swiglu_limit=W.swiglu_limit)

@@ -214,7 +214,12 @@ def _spec_of(experts: nn.Module, hidden_size: int | None) -> ExpertsSpec:
     if first is None or down is None or first.dim() != 3 or down.dim() != 3:
         raise UnsupportedExperts(f"{type(experts).__name__}: expected gate_up_proj and down_proj 3-D parameters")
     E = first.shape[0]
-    transposed = hidden_size is not None and first.shape[1] == hidden_size and first.shape[2] != hidden_size
+    if hidden_size is None:
+        raise UnsupportedExperts(f"{type(experts).__name__}: undecorated experts and no hidden_size in the config")
+    if down.shape[1] != down.shape[2]:  # down_proj [E, H, I] (nn.Linear order) or [E, I, H] (transposed)
+        transposed = down.shape[2] == hidden_size
+    else:  # H == I: gate_up [E, 2I, H] or [E, H, 2I] tells
+        transposed = first.shape[1] == hidden_size
     H = first.shape[1] if transposed else first.shape[2]
     I = (first.shape[2] if transposed else first.shape[1]) // 2
     if not hasattr(experts, "_apply_gate"):  # the probe runs act_fn(gate) * up
@@ -224,7 +229,9 @@ def _spec_of(experts: nn.Module, hidden_size: int | None) -> ExpertsSpec:
         activation, alpha, limit = _probe_activation(experts, True, False)
     finally:
         experts.__dict__.pop("_apply_gate", None)
-    return ExpertsSpec(E, H, I, True, activation, alpha, limit, False, transposed, False)
+    spec = ExpertsSpec(E, H, I, True, activation, alpha, limit, False, transposed, False)
+    experts.__dict__["_moelab_spec"] = spec  # what experts_spec() returns for it from now on
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------- fused routing
@@ -281,7 +288,7 @@ def _candidates(configs, num_experts: int, top_k: int, bias):
 
 
 def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, method: str, route_args: dict,
-                        top_k: int, shared, shared_gate, returns_logits: bool):
+                        top_k: int, shared, shared_gate, returns_logits: bool, flat_output: bool = False):
     from moelab.routing import route
 
     def forward(block, hidden_states, *args, **kwargs):
@@ -302,7 +309,8 @@ def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, 
             if shared_gate is not None:
                 s = torch.sigmoid(shared_gate(x)) * s
             out = out + s
-        out = out.reshape(shape)
+        if not flat_output:  # Llama-4's block returns [T, H]; the others the input's shape
+            out = out.reshape(shape)
         if returns_logits:
             return out, logits.to(hidden_states.dtype)
         return out
@@ -348,6 +356,7 @@ def _try_fuse(path, block, experts, layer, spec, configs, strict):
     except Exception as e:  # a block that needs more than hidden states (DeepSeek-V4's hash routing: input ids)
         return None, f"the block's forward needs more than hidden states ({type(e).__name__}: {str(e)[:80]})"
     returns_tuple = isinstance(original, tuple)
+    flat_output = (original[0] if returns_tuple else original).dim() == 2
     llama4 = layer.apply_router_weight_on_input
     if llama4:
         candidates = [("llama4", {})] if top_k == 1 else []
@@ -356,11 +365,11 @@ def _try_fuse(path, block, experts, layer, spec, configs, strict):
     errors = []
     for method, route_args in candidates:
         fused = _make_fused_forward(layer, experts, router, method, route_args, top_k, shared, shared_gate,
-                                    returns_tuple)
+                                    returns_tuple, flat_output)
         try:
             ok, err = _block_close(block, fused, probe, tol)
         except Exception as e:  # a method whose arguments this router cannot take (e.g. top_k > kept experts)
-            errors.append(f"{method}: {type(e).__name__}")
+            errors.append(f"{method}: {type(e).__name__}: {str(e)[:120]}")
             continue
         errors.append(f"{method}: rel err {err:.1e}")
         if ok:
