@@ -32,7 +32,14 @@ def __getattr__(name):
 
 
 def patch_model(model, *, backend: str = "auto", routing: str = "auto"):
-    """Run a Hugging Face MoE model's experts on moelab: see :func:`moelab.hf.patch_model` (imports transformers)."""
+    """Run a Hugging Face MoE model's experts on moelab: see :func:`moelab.hf.patch_model` (imports transformers).
+
+    Example:
+        >>> from moelab.hf.tiny import tiny_causal_lm
+        >>> report = moelab.patch_model(tiny_causal_lm("mixtral"), backend="torch")
+        >>> [layer.routing for layer in report]
+        ['fused (renormalize)', 'fused (renormalize)']
+    """
     from moelab.hf import patch_model as _patch_model
 
     return _patch_model(model, backend=backend, routing=routing)
