@@ -71,11 +71,18 @@ def test_active_adapter_matches_peft(family):
     with pm.disable_adapter():
         base = _logits(pm, IDS)
     assert rel_err(want, base) > 1e-2, "the adapter must change the logits"
+    pm.set_adapter("second")
+    want_second = _logits(pm, IDS)
+    pm.set_adapter("default")
     report = moelab.patch_model(pm, backend="torch")
     assert report.adapters == {"default": 0, "second": 1}
     assert all(r.metadata is not None for r in report)
     got = _logits(pm, IDS)
     assert rel_err(got, want) < 1e-4, f"{family}: moelab+LoRA vs PEFT {rel_err(got, want):.2e}\n{report}"
+    with pm.disable_adapter():  # PEFT's switches still hold: no adapter at all ...
+        assert rel_err(_logits(pm, IDS), base) < 1e-4
+    pm.set_adapter("second")  # ... or the other one, attention and experts alike
+    assert rel_err(_logits(pm, IDS), want_second) < 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -123,20 +123,31 @@ class PatchReport(list):
 class AdapterSelection:
     """The adapter every token of a model's next forward uses (shared by the model's MoE layers).
 
-    ``default_slot``: the PEFT model's active adapter (-1: none); ``ids``: int [B] or [B, S] set by
-    :func:`moelab.hf.adapter_ids`, on the model's device.
+    ``ids``: int [B] or [B, S] set by :func:`moelab.hf.adapter_ids`, on the model's device. Without it, a model
+    patched from a ``PeftModel`` follows PEFT: its active adapter (``set_adapter``) serves every token, none inside
+    ``with peft_model.disable_adapter():``.
     """
 
     def __init__(self):
-        self.default_slot = -1
         self.ids: torch.Tensor | None = None
+        self.adapters: dict[str, int] = {}  # name -> slot
+        self.peft_layer = None  # one of PEFT's (bypassed) expert wrappers: it holds PEFT's active/disabled state
+
+    @property
+    def default_slot(self) -> int:
+        layer = self.peft_layer
+        if layer is None or layer.disable_adapters:
+            return -1
+        active = layer.active_adapters
+        return self.adapters.get(active[0] if active else None, -1)
 
     def token_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
         """int [T] adapter slot of each flattened token, or None when no token has one."""
         if self.ids is None:
-            if self.default_slot < 0:
+            slot = self.default_slot
+            if slot < 0:
                 return None
-            return torch.full((num_tokens,), self.default_slot, dtype=torch.int32, device=device)
+            return torch.full((num_tokens,), slot, dtype=torch.int32, device=device)
         ids = self.ids
         if ids.dim() == 2:
             if ids.numel() != num_tokens:

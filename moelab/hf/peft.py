@@ -218,9 +218,9 @@ def install_adapters(peft_model, root: nn.Module, report, adapters: dict) -> Non
     wrappers, serve the PeftModel's active adapter by default."""
     _install(root, report, {n: a for n, a in adapters.items() if a}, "PeftModel")
     selection = root.__dict__["_moelab_selection"]
-    active = peft_model.active_adapter
-    active = active[0] if isinstance(active, (list, tuple)) else active
-    selection.default_slot = report.adapters.get(active, -1)
+    selection.adapters = report.adapters
+    wrappers = [w for _, (_, wrapped) in _layers_by_path(root).items() for w in _expert_wrappers(wrapped)]
+    selection.peft_layer = wrappers[0] if wrappers else None
 
 
 # ---------------------------------------------------------------------------------------------- from a directory
