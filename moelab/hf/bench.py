@@ -95,7 +95,7 @@ class ExpertsTimer:
     """Records (inputs, CUDA events) around every experts module call, to split the experts' share out."""
 
     def __init__(self, model):
-        from moelab.hf.patch import base_experts
+        from moelab.hf.experts import base_experts
 
         self.calls, self.handles, self.enabled = [], [], False
         for name, module in model.named_modules():

@@ -31,7 +31,7 @@ from moelab.lora import LoRABank, w2_lora_delta, w13_lora_delta
 from moelab.moe import MoEWeights, prepare_weights, routed_moe
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
 
-__all__ = ["ExpertsSpec", "UnsupportedExperts", "experts_spec", "hf_expert_weights", "experts_forward",
+__all__ = ["ExpertsSpec", "UnsupportedExperts", "base_experts", "experts_spec", "hf_expert_weights", "experts_forward",
            "moelab_weights", "resolve_hf_backend", "run_experts"]
 
 
@@ -167,6 +167,13 @@ def experts_spec(module: nn.Module) -> ExpertsSpec:
     spec = ExpertsSpec(E, H, I, gated, activation, alpha, limit, has_bias, transposed, interleaved)
     module.__dict__["_moelab_spec"] = spec
     return spec
+
+
+def base_experts(module: nn.Module) -> nn.Module:
+    """The HF experts module under PEFT's ParamWrapper nesting (``get_base_layer`` until it stops)."""
+    while hasattr(module, "base_layer") and not isinstance(module, nn.ModuleList):
+        module = module.base_layer
+    return module
 
 
 # ---------------------------------------------------------------------------------------------- weights

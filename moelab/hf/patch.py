@@ -28,6 +28,7 @@ from moelab.hf.experts import (
     ExpertsSpec,
     UnsupportedExperts,
     _probe_activation,
+    base_experts,
     call_experts_op,
     experts_spec,
     resolve_hf_backend,
@@ -187,13 +188,6 @@ def _experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, 
 
 
 # ---------------------------------------------------------------------------------------------- finding blocks
-
-def base_experts(module: nn.Module) -> nn.Module:
-    """The HF experts module under PEFT's ParamWrapper nesting (``get_base_layer`` until it stops)."""
-    while hasattr(module, "base_layer") and not isinstance(module, nn.ModuleList):
-        module = module.base_layer
-    return module
-
 
 def _is_3d_experts(module: nn.Module) -> bool:
     params = [p for _, p in module.named_parameters(recurse=False)]

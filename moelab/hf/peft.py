@@ -119,7 +119,7 @@ def _expert_wrappers(module: nn.Module):
 
 def collect_peft_expert_adapters(peft_model) -> dict:
     """{adapter name: {experts module path (in the base model): ExpertFactors}} from PEFT's ParamWrappers."""
-    from moelab.hf.patch import base_experts
+    from moelab.hf.experts import base_experts
 
     base = peft_model.get_base_model()
     adapters: dict[str, dict] = {name: {} for name in peft_model.peft_config}
@@ -165,7 +165,7 @@ def _layers_by_path(root: nn.Module) -> dict:
         experts = module._modules.get("experts") if hasattr(module, "_modules") else None
         if experts is None:
             continue
-        from moelab.hf.patch import base_experts
+        from moelab.hf.experts import base_experts
 
         inner = base_experts(experts)
         layer = inner.__dict__.get("_moelab_layer")
