@@ -121,6 +121,25 @@ def test_all_minus_one_takes_the_fast_path_and_equals_base(backend, device, monk
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tokens_without_adapter_are_the_base_path_bit_for_bit(backend, dtype, device):
+    """In every dtype: a -1 token of a mixed batch, and a whole batch of -1 on the forced LoRA path, equal the base
+    path's rows bit for bit (I = 16 fp32 once differed in the last bit on the torch backend: its SiLU ran on strided
+    views without a delta and on contiguous tensors with one)."""
+    T, K, E, H, I = 7, 2, 8, 32, 16
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, seed=3,
+                                                          lora_ids=torch.tensor([0, -1, 1, -1, -1, 2, -1]))
+    experts = make_experts(w13, w2, backend, num_experts=E, top_k=K, lora=make_bank(adapters, E, 0, H, I, 8, dtype,
+                                                                                     device))
+    base = experts(x, w, ids, None)
+    out = experts(x, w, ids, lora_ids)
+    none = lora_ids < 0
+    assert not torch.equal(out[~none], base[~none])
+    assert torch.equal(out[none], base[none])
+    assert torch.equal(experts(x, w, ids, torch.full((T,), -1, device=device), has_lora=True), base)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("E_local", [2, 3])  # even and uneven windows over E = 6
 def test_expert_parallel_partial_sums(backend, E_local, device):
     T, K, E, H, I, dtype = 9, 3, 6, 32, 24, torch.float32

@@ -84,7 +84,9 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
         h = xs.float() @ W.gemm1_weights[e].float().T  # [n, 2I], HF order: [gate | up] (not gated: [n, I] up)
         if W.gemm1_bias is not None:
             h = h + W.gemm1_bias[e].float()
-        gate, up = (h[:, :I], h[:, I:]) if W.gated else (None, h)
+        # Contiguous halves, with or without a delta: PyTorch's SiLU and product round a vectorised body and a
+        # scalar tail differently, so strided views here would move fp32 base tokens of the LoRA path by an ulp.
+        gate, up = (h[:, :I].contiguous(), h[:, I:].contiguous()) if W.gated else (None, h)
         if delta is not None:
             d = delta[slots].float()
             up = up + d[:, :I]  # the delta is in FlashInfer order: up first
