@@ -1,8 +1,11 @@
 """Where moelab runs: the capability probe every backend consults.
 
-Imported first by ``moelab/__init__.py``. On a machine without a CUDA GPU it switches Triton to its
-interpreter (``TRITON_INTERPRET=1``) *before* any kernel is defined, so ``import moelab`` works on a laptop
-or CI box with no environment variable set by hand.
+On a machine without a CUDA GPU moelab's own Triton kernels run in Triton's interpreter, so ``import moelab``
+works on a laptop or CI box with no environment variable set by hand. The switch is scoped to moelab's kernels
+(:func:`moelab.kernels._common.jit` defines them as interpreted functions): the process environment is left alone,
+so other Triton users in the process (Liger, torch.compile, the user's own kernels) compile as they would without
+moelab. ``TRITON_INTERPRET=1`` interprets every Triton kernel (Triton's own switch); ``TRITON_INTERPRET=0`` keeps
+moelab's kernels off the CPU too (its ops then run their torch fallbacks there).
 """
 
 from __future__ import annotations
@@ -11,11 +14,9 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-#: True when Triton kernels run in Triton's CPU interpreter (numpy under the hood).
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+#: True when moelab's Triton kernels run in Triton's CPU interpreter (numpy under the hood).
+INTERPRET: bool = _TRITON_INTERPRET == "1" or (_TRITON_INTERPRET is None and not torch.cuda.is_available())
 
 try:
     import triton  # noqa: F401

@@ -20,8 +20,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl .whl/nb/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-[ "${TEST_S:-90}" -gt 0 ] && timeout ${TEST_S:-90} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_experts.py tests/test_routed_moe.py tests/test_ops.py \
-  tests/test_lora.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+[ "${TEST_S:-90}" -gt 0 ] && timeout ${TEST_S:-90} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_experts.py tests/test_routed_moe.py tests/test_ops.py tests/test_routing.py \
+  tests/test_lora.py tests/test_house.py 2>&1 | tail -4 | tee "$OUT/tests.log"
 [ "${TUNE_S:-100}" -gt 0 ] && timeout ${TUNE_S:-100} python3 scripts/tune_moe.py --tokens ${TUNE_T:-32,128,1024,4096} --budget-s ${TUNE_PER_T:-15} \
   2>&1 | grep -v failed | tee "$OUT/tune.log"
 [ "${PROF_S:-40}" -gt 0 ] && timeout ${PROF_S:-40} python3 scripts/profile_launch.py --tokens ${PROF_T:-128} \

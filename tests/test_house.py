@@ -4,6 +4,8 @@ kernel file reaches for its private names."""
 import ast
 import pathlib
 
+import torch
+
 import moelab
 
 ROOT = pathlib.Path(moelab.__file__).parent
@@ -73,3 +75,56 @@ def test_no_module_imports_a_kernel_files_private_names():
             if target.startswith("moelab.kernels.") and target != m:
                 private = [n for n in names if n.startswith("_")]
                 assert not private, f"{m} imports {private} from {target}"
+
+
+def test_interpreter_is_scoped_to_moelabs_kernels(tmp_path):
+    """``import moelab`` on a CPU runs moelab's kernels interpreted, but leaves the environment and every other
+    Triton kernel of the process alone (defined after the import, a kernel is compiled Triton, not interpreted)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, triton, triton.language as tl, torch, moelab\n"
+        "from moelab.kernels import moe_gemm\n"
+        "from triton.runtime.interpreter import InterpretedFunction\n"
+        "@triton.jit\n"
+        "def users_kernel(x_ptr, N: tl.constexpr):\n"
+        "    tl.store(x_ptr + tl.arange(0, N), 1.0)\n"
+        "kind = {True: 'interpreted', False: 'compiled'}\n"
+        "print(kind[isinstance(users_kernel, InterpretedFunction)], kind[isinstance(moe_gemm._gemm1_swiglu_kernel,\n"
+        "      InterpretedFunction)],\n"
+        "      os.environ.get('TRITON_INTERPRET'), moelab._runtime.INTERPRET, torch.cuda.is_available())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT.parent), env.get("PYTHONPATH", "")])
+    (tmp_path / "users_code.py").write_text(script)  # triton.jit reads a kernel's source from its file
+    out = subprocess.run([sys.executable, str(tmp_path / "users_code.py")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    users, ours, variable, interpret, cuda = out.stdout.split()
+    assert users == "compiled" and variable == "None"
+    assert ours == ("compiled" if cuda == "True" else "interpreted") and interpret == str(cuda == "False")
+
+
+#: The GPUs moelab claims to run on, as Triton reports them: (compute capability, shared memory a block may use).
+GPUS = {"A100 (sm80)": ((8, 0), 166912), "L4 / RTX 4090 (sm89)": ((8, 9), 101376),
+        "H100 / H200 (sm90)": ((9, 0), 232448), "B200 (sm100)": ((10, 0), 232448),
+        "RTX 5090 (sm120)": ((12, 0), 101376)}
+
+
+def test_gemm_configs_fit_every_gpu():
+    """Every tile config chosen for these devices fits their shared memory (pipeline stages and the fused LoRA's
+    expand operands), no tile grows past the tuned one, and the H200 keeps its tuned tiles."""
+    import dataclasses
+    import itertools
+
+    from moelab.kernels.moe_gemm import CONFIG_BUCKETS, DeviceLimits, choose_config, shared_memory_bytes
+
+    for (name, (cc, smem)), T, E, dtype, columns in itertools.product(
+            GPUS.items(), (1, 32, 128, 1024, 4096, 16384), (8, 128), (torch.bfloat16, torch.float32), (0, 16, 64)):
+        cfg = choose_config(T, 8, E, dtype, columns, device=DeviceLimits(cc, smem))
+        tuned = next(c for limit, c in CONFIG_BUCKETS if T * 8 / E <= limit)
+        need = shared_memory_bytes(cfg, dtype.itemsize, columns)
+        assert need <= smem and cfg.num_stages >= 1, f"{name}: {cfg} needs {need} B of {smem}"
+        assert cfg.block_m <= tuned.block_m and cfg.block_n <= tuned.block_n and cfg.block_k <= tuned.block_k, name
+        if cc == (9, 0) and dtype == torch.bfloat16 and columns == 0:
+            assert dataclasses.replace(cfg, num_stages=0) == dataclasses.replace(tuned, num_stages=0), name

@@ -118,7 +118,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     E_local, two_i, H = w13.shape
     I = two_i // 2
     lora_columns = math.prod(lora.bank.stacked_pads) if lora is not None else 0
-    cfg = config or choose_config(T, K, E_local, x.dtype, lora_columns)
+    cfg = config or choose_config(T, K, E_local, x.dtype, lora_columns, device=x.device)
     pdl = _runtime.pdl_launch(x.device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(permuted_rows(T, K, num_experts, cfg.block_m, I), I, dtype=x.dtype, device=x.device)
     gemm2_out = torch.empty(permuted_rows(T, K, num_experts, cfg.block_m, H), H, dtype=x.dtype, device=x.device)
@@ -167,7 +167,7 @@ def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_expert
                      gemm1_lora_delta, do_finalize):
     T, K = routing.shape
     E_local, two_i, H = w13.shape
-    tile = choose_config(T, K, E_local, hidden_states.dtype).block_m
+    tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
     x = hidden_states
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),

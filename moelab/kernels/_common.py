@@ -9,6 +9,8 @@ Two interpreter bugs (both absent on a GPU) would otherwise skew every bf16 resu
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,52 @@ def dot_flags(dtype: torch.dtype) -> dict:
                 DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
-@triton.jit
+def jit(fn):
+    """``triton.jit`` for moelab's kernels: compiled on a GPU; in Triton's interpreter when moelab runs there
+    (``moelab._runtime.INTERPRET``, no CUDA GPU), for these functions only (the environment is left alone)."""
+    if _runtime.INTERPRET and os.environ.get("TRITON_INTERPRET") != "1":
+        return _scoped_interpreter(fn)
+    return triton.jit(fn)
+
+
+def _scoped_interpreter(fn):
+    """``fn`` as Triton's interpreter runs it. Triton's own library functions (``tl.sum``, ``tl.zeros_like``, ...)
+    are compiled functions when Triton was imported without ``TRITON_INTERPRET=1``; while one of moelab's kernels
+    runs, they are swapped for interpreted twins, and Triton's interpreter switch is on; both are put back after."""
+    import contextlib
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    twins: dict = {}
+
+    @contextlib.contextmanager
+    def interpreted_library():
+        swapped = [(triton.knobs.runtime, "interpret", triton.knobs.runtime.interpret)]
+        triton.knobs.runtime.interpret = True  # the interpreter's own argument handling asks for it
+        for name, module in list(sys.modules.items()):
+            if name.startswith("triton.language") and module is not None:
+                for attr, value in list(vars(module).items()):
+                    if isinstance(value, JITFunction):
+                        twin = twins.setdefault(id(value), InterpretedFunction(value.fn))
+                        swapped.append((module, attr, value))
+                        setattr(module, attr, twin)
+        try:
+            yield
+        finally:
+            for module, attr, value in reversed(swapped):
+                setattr(module, attr, value)
+
+    class ScopedInterpretedFunction(InterpretedFunction):
+        def run(self, *args, **kwargs):
+            with interpreted_library():
+                return super().run(*args, **kwargs)
+
+    return ScopedInterpretedFunction(fn)
+
+
+@jit
 def wait_for_previous_kernel(USE_GDC: tl.constexpr):
     """First statement of every pipeline kernel launched with programmatic dependent launch (``USE_GDC``, see
     ``moelab._runtime.PDL``): wait until the previous kernel in the stream has finished and its writes are visible,
@@ -36,7 +83,7 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
+@jit
 def to_output(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` with round-to-nearest-even, also in the interpreter."""
     if INTERPRET and dtype == tl.bfloat16:
@@ -46,7 +93,7 @@ def to_output(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
+@jit
 def shrink_step(x, a0_ptr, a1_ptr, a_offs, a_mask, acc0, acc1, NUM_SLICES: tl.constexpr, DOT_F32: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     """One K step of a LoRA shrink: ``acc_j += x @ A_j^T`` for the 1 or 2 A banks, the [BLOCK_K, columns] tile of

@@ -10,15 +10,14 @@ kernel with HAS_DELTA=False). Bytes: K gathered rows of gemm2 (+ K delta rows) r
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import to_output, wait_for_previous_kernel
+from moelab.kernels._common import jit, to_output, wait_for_previous_kernel
 from moelab.permutation import cdiv, next_pow2
 
 
-@triton.jit
+@jit
 def _finalize_kernel(
     out_ptr, gemm2_ptr, weights_ptr, e2p_ptr, delta_ptr, scale,
     num_rows, H, stride_out_t, stride_gemm2_r, stride_w_t, stride_d_t, stride_d_k,

@@ -41,11 +41,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import dot_flags, shrink_step, to_output, wait_for_previous_kernel
+from moelab.kernels._common import dot_flags, jit, shrink_step, to_output, wait_for_previous_kernel
 from moelab.kernels.segments import one_chunk_segments, plan_one_chunk
 from moelab.permutation import Segments, next_pow2
 
@@ -57,14 +56,14 @@ __all__ = ["TileLoRA", "DecodeLoRA", "shrink_w13_tiles", "shrink_w2_tiles", "dec
 
 # ---------------------------------------------------------------------------------------------- device functions
 
-@triton.jit
+@jit
 def _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras):
     """Adapter slot of each row, int32 [BLOCK_M]; -1 for no adapter, a dead row, or an id outside the bank."""
     adapter = tl.load(lora_ids_ptr + tokens, mask=row_ok, other=-1).to(tl.int32)
     return tl.where((adapter >= 0) & (adapter < num_loras), adapter, -1)
 
 
-@triton.jit
+@jit
 def own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Each row's adapter (:func:`_row_adapters`), whether the tile holds any, and the mask of each row's own block
     of stacked columns, bool [BLOCK_M, L_PAD*R_PAD] (all False in a tile without an adapter)."""
@@ -74,7 +73,7 @@ def own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD: tl.conste
     return adapters, has_lora, tl.where(has_lora, (j // R_PAD)[None, :] == adapters[:, None], False)
 
 
-@triton.jit
+@jit
 def stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """Stacked A^T of this expert, bank ``A [L, E_local, max_rank, D]``: the offset of column j's row and whether
     it exists (int64 [L_PAD*R_PAD], bool), plus the adapter of each column."""
@@ -84,7 +83,7 @@ def stacked_a(expert, num_local_experts, num_loras, max_rank, D, L_PAD: tl.const
     return a_cols, (adapter < num_loras) & (rank < max_rank), adapter
 
 
-@triton.jit
+@jit
 def caller_weight_ratio(weights_ptr, slots, has):
     """``w[slot] / bf16(w[slot])`` per row (0 where ``has`` is False or the bf16 weight is 0), fp32 [BLOCK_M].
     bf16(w) is rounded to nearest even, as the packing and the finalize's ``ROUND_WEIGHTS`` round it."""
@@ -93,7 +92,7 @@ def caller_weight_ratio(weights_ptr, slots, has):
     return tl.where(w_bf16 != 0.0, w / tl.where(w_bf16 != 0.0, w_bf16, 1.0), 0.0)
 
 
-@triton.jit
+@jit
 def _lora_shrink_kernel(
     in_ptr, a0_ptr, a1_ptr, out_ptr, tile_flags_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr, weights_ptr,
     D, top_k, num_local_experts, num_loras, max_rank, stride_in,
@@ -147,7 +146,7 @@ def _lora_shrink_kernel(
             tl.store(out + L_PAD * R_PAD, to_output(tl.where(own, acc1, 0.0), out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@jit
 def _decode_segments_w13_shrink_kernel(
     values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
     num_slots, offset, num_groups, num_rows, num_blocks,
@@ -196,7 +195,7 @@ def _decode_segments_w13_shrink_kernel(
                          tl.zeros((R_PAD,), dtype=tl.float32))
 
 
-@triton.jit
+@jit
 def stacked_b(b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, max_rank, tile_has_lora,
                L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """The stacked B^T tile [L_PAD*R_PAD, BLOCK_N] of this expert (zeros where ``tile_has_lora`` is False, read
@@ -209,7 +208,7 @@ def stacked_b(b_ptr, expert, cols, col_ok, D_out, num_local_experts, num_loras, 
     return tl.load(b_ptr + b_offs + rank[:, None], mask=b_mask, other=0.0)
 
 
-@triton.jit
+@jit
 def stacked_s(s_ptr, rows, row_width, tile_has_lora, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
     """The tile's stacked rank vectors [BLOCK_M, L_PAD*R_PAD] at ``s_ptr`` (rows ``row_width`` apart; zeros where
     ``tile_has_lora`` is False, read nothing then)."""
@@ -219,7 +218,7 @@ def stacked_s(s_ptr, rows, row_width, tile_has_lora, L_PAD: tl.constexpr, R_PAD:
     return tl.load(ptrs, mask=tl.where(tile_has_lora, every, False), other=0.0)
 
 
-@triton.jit
+@jit
 def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + s @ b (the stacked rank vectors times the stacked B^T)."""
     if DOT_F32:

@@ -50,11 +50,10 @@ match the GPU's. fp32 inputs use ``input_precision="ieee"`` (TF32 would miss 1e-
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import shrink_step, to_output
+from moelab.kernels._common import jit, shrink_step, to_output
 from moelab.permutation import Segments, next_pow2
 
 __all__ = ["lora_shrink_expand_triton"]
@@ -64,7 +63,7 @@ def _pow2_block(n: int, low: int, high: int) -> int:
     return min(max(next_pow2(max(n, 1)), low), high)
 
 
-@triton.jit
+@jit
 def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
@@ -87,7 +86,7 @@ def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
                  mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@jit
 def _lora_shrink_expand_kernel(
     x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, out_ptr, weight_ptr, row_to_slot_ptr, block_group_ptr,
     topk_ids_ptr, lora_ids_ptr, top_k, local_expert_offset, num_local_experts, max_loras,

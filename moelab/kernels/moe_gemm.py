@@ -20,7 +20,7 @@ The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import dot_flags, to_output, wait_for_previous_kernel
+from moelab.kernels._common import dot_flags, jit, to_output, wait_for_previous_kernel
 from moelab.kernels.fused_lora import (
     DecodeLoRA,
     TileLoRA,
@@ -61,41 +61,94 @@ class GemmConfig:
 
 
 CONFIG_FILE = Path(__file__).with_name("moe_gemm_configs.json")
-#: (max rows per expert, config) ascending; tuned on a GPU by scripts/tune_moe.py.
+#: (max rows per expert, config) ascending; tuned on a GPU by scripts/tune_moe.py (the file names the GPU).
 CONFIG_BUCKETS = [(b["max_rows_per_expert"], GemmConfig(*b["config"]))
                   for b in json.loads(CONFIG_FILE.read_text())["buckets"]]
-#: Shared memory a config may pipeline through (H200: 228 KB per SM; leave room for the epilogue).
-_SMEM_BUDGET = 200 * 1024
-#: ... and with the fused LoRA's expand operands beside the pipeline (the H200 refuses kernels past 227 KB).
-_SMEM_BUDGET_LORA = 216 * 1024
+#: Tile tables by compute capability, tuned where a GPU of that capability ran scripts/tune_moe.py (the H200, sm_90).
+#: A GPU never tuned takes the nearest tuned table below its capability (else the lowest one), fitted to its
+#: shared memory by :func:`fit_to_shared_memory`.
+TUNED_CONFIGS = {(9, 0): CONFIG_BUCKETS}
+#: Shared memory kept free of the pipeline's stages for the epilogue, and with the fused LoRA's expand operands
+#: beside them (measured on the H200, 227 KB a block: 200 KB of stages ran, and 216 KB with the operands).
+_EPILOGUE_RESERVE = 27 * 1024
+_EPILOGUE_RESERVE_LORA = 11 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the tile choice needs of a GPU: its compute capability and the shared memory one block may use
+    (bytes, opt-in maximum: H100/H200/B200 227 KB, A100 163 KB, L4/RTX 4090/RTX 5090 99 KB)."""
+
+    capability: tuple[int, int]
+    shared_memory: int
+
+
+_limits: dict[int, DeviceLimits] = {}
+
+
+def device_limits(device: torch.device) -> DeviceLimits:
+    """:class:`DeviceLimits` of a CUDA device, from Triton's device properties (read once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _limits:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        _limits[index] = DeviceLimits(torch.cuda.get_device_capability(index), props["max_shared_mem"])
+    return _limits[index]
+
+
+def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0) -> int:
+    """Bytes of the pipeline's stages (an x tile and two weight tiles each), plus the fused LoRA's expand operands
+    on wgmma tiles (BLOCK_M >= 64: [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T)."""
+    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
+    expand = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize if lora_columns and cfg.block_m >= 64 else 0
+    return cfg.num_stages * per_stage + expand
+
+
+def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shared_memory: int) -> GemmConfig:
+    """``cfg`` with as many of its pipeline stages as fit the device's shared memory less the epilogue's reserve
+    (at least one stage, if that fits the device at all); where not even one stage fits, BLOCK_K, then BLOCK_N
+    (down to 32), then BLOCK_M (down to 16) halve until it does."""
+    budget = shared_memory - (_EPILOGUE_RESERVE_LORA if lora_columns and cfg.block_m >= 64 else _EPILOGUE_RESERVE)
+    while True:
+        for stages in range(cfg.num_stages, 0, -1):
+            fitted = replace(cfg, num_stages=stages)
+            if shared_memory_bytes(fitted, itemsize, lora_columns) <= (budget if stages > 1 else shared_memory):
+                return fitted
+        if cfg.block_k > 32:
+            cfg = replace(cfg, block_k=cfg.block_k // 2)
+        elif cfg.block_n > 32:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.block_m > 16:
+            cfg = replace(cfg, block_m=cfg.block_m // 2)
+        else:
+            return replace(cfg, num_stages=1)
 
 
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
-                  dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0) -> GemmConfig:
-    """Tile sizes by rows per local expert, from ``moe_gemm_configs.json``. Decode is weight-bandwidth bound
-    (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for tensor-core reuse).
-    fp32 operands take twice the shared memory per stage, so the pipeline depth shrinks to fit.
+                  dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0,
+                  device: torch.device | DeviceLimits | None = None) -> GemmConfig:
+    """Tile sizes by rows per local expert, from the tuned table of the device's compute capability. Decode is
+    weight-bandwidth bound (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for
+    tensor-core reuse). The pipeline's depth then shrinks to the device's shared memory (fp32 operands take twice
+    the bytes a stage).
 
     ``lora_columns``: the fused LoRA's stacked width. On Hopper, tiles of BLOCK_M >= 64 (wgmma) keep GEMM1's
-    expand operands, [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T, in shared memory beside the
-    pipeline's stages (measured: 196608 B + 16384 B for 16 columns at 128x128x64, 4 stages), so the pipeline
-    gives up stages for them; the BLOCK_M = 16 decode tiles showed no such growth."""
-    if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
-        return GemmConfig(16, 32, 32, 4, 1)
+    expand operands beside the pipeline's stages in shared memory (measured: 196608 B + 16384 B for 16 columns at
+    128x128x64, 4 stages), so the pipeline gives up stages for them; the BLOCK_M = 16 decode tiles showed no such
+    growth. ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`."""
+    if not isinstance(device, DeviceLimits):
+        if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
+            return GemmConfig(16, 32, 32, 4, 1)
+        device = device_limits(torch.device("cuda") if device is None else torch.device(device))
+    below = [cc for cc in TUNED_CONFIGS if cc <= device.capability]
+    buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
-    cfg = next(c for limit, c in CONFIG_BUCKETS if rows_per_expert <= limit)
-    itemsize = torch.finfo(dtype).bits // 8
-    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
-    stages = max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
-    if lora_columns and cfg.block_m >= 64:
-        expand_operands = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize
-        stages = max(1, min(stages, (_SMEM_BUDGET_LORA - expand_operands) // per_stage))
-    return GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages, cfg.group_m)
+    cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
+    return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 
-@triton.jit
+@jit
 def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of program ``pid`` over num_m x num_n tiles: with GROUP_M = 1 consecutive programs share a
     row tile and sweep its columns; else GROUP_M row tiles go down each column block together (Triton's grouped
@@ -112,7 +165,7 @@ def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@jit
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
@@ -202,7 +255,7 @@ def _gemm1_swiglu_kernel(
             tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
 
 
-@triton.jit
+@jit
 def _gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I,

@@ -24,11 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import wait_for_previous_kernel
+from moelab.kernels._common import jit, wait_for_previous_kernel
 from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, next_pow2
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
@@ -37,7 +36,7 @@ MAX_GROUPS = 1023
 MAX_CHUNK = 1024
 
 
-@triton.jit
+@jit
 def _load_groups(values_ptr, slots, num_slots, offset, num_groups, NO_GROUP: tl.constexpr, PACKED: tl.constexpr):
     g = tl.load(values_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
     if PACKED:  # FlashInfer's routing word: the expert id is the signed high half
@@ -46,7 +45,7 @@ def _load_groups(values_ptr, slots, num_slots, offset, num_groups, NO_GROUP: tl.
     return tl.where((slots < num_slots) & (g >= 0) & (g < num_groups), g, NO_GROUP)
 
 
-@triton.jit
+@jit
 def _store_block_groups(block_group_ptr, seg_end, bins, num_groups, total, b_start, b_end,
                         TILE: tl.constexpr, CB: tl.constexpr):
     """block_group[b] for b in [b_start, b_end): the group whose tile-padded segment holds rows
@@ -59,7 +58,7 @@ def _store_block_groups(block_group_ptr, seg_end, bins, num_groups, total, b_sta
         tl.store(block_group_ptr + blocks, tl.where(blocks * TILE < total, group, -1), mask=blocks < b_end)
 
 
-@triton.jit
+@jit
 def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, num_slots, offset, num_groups,
                            CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr):
     chunk = tl.program_id(0)
@@ -71,7 +70,7 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, num_slots,
     tl.store(chunk_bin_start_ptr + chunk * G_BINS + bins, tl.cumsum(hist, axis=0) - hist)
 
 
-@triton.jit
+@jit
 def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, num_groups,
                           TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr):
     bins = tl.arange(0, G_BINS)
@@ -89,7 +88,7 @@ def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, n
     tl.store(seg_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
 
 
-@triton.jit
+@jit
 def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, seg_start_ptr,
                              slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset, num_groups,
                              num_blocks, blocks_per_chunk, TILE: tl.constexpr, CHUNK: tl.constexpr,
@@ -116,7 +115,7 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
     tl.store(row_to_slot_ptr + row, slot, mask=in_group)
 
 
-@triton.jit
+@jit
 def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
                                num_slots, offset, num_groups, num_rows, num_blocks,
                                TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
@@ -126,7 +125,7 @@ def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_
                        num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
 
 
-@triton.jit
+@jit
 def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
                        num_slots, offset, num_groups, num_rows, num_blocks,
                        TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,

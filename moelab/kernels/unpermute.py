@@ -8,13 +8,13 @@ whatever the permuted buffer holds. Bytes: T*K rows read (local slots only) and 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
+from moelab.kernels._common import jit
 from moelab.permutation import cdiv, next_pow2
 
 
-@triton.jit
+@jit
 def _unpermute_activation_kernel(act_ptr, e2p_ptr, out_ptr, num_rows, I, stride_act_r, stride_out_r,
                                  BLOCK_I: tl.constexpr):
     r = tl.program_id(0)
