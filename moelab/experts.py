@@ -50,6 +50,9 @@ from moelab.packing import check_routing
 
 __all__ = ["LoRAExperts"]
 
+#: The modes of the fused path that ``fused=`` can force (see :class:`LoRAExperts`).
+FUSED_MODES = ("tiles", "decode")
+
 
 class LoRAExperts(nn.Module):
     """Routed experts with multi-adapter LoRA, FlashInfer's contract on any backend.
@@ -63,7 +66,9 @@ class LoRAExperts(nn.Module):
         fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can
             (the triton backend, for a bank of at most ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``
             stacked columns: L and max_rank padded to powers of two, multiplied); True: raise where it cannot;
-            False: vLLM's unfused flow.
+            False: vLLM's unfused flow. "tiles" / "decode" force one mode of the fused path (tests, benchmarks):
+            shrink launches over the GEMMs' tiles (what prefill takes), or the one-launch decode path (what
+            batches of up to ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots take).
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
     -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
@@ -85,7 +90,7 @@ class LoRAExperts(nn.Module):
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, num_experts: int, top_k: int,
                  local_expert_offset: int = 0, lora: LoRABank | None = None, backend: str = "auto",
-                 fused: bool | None = None):
+                 fused: bool | str | None = None):
         super().__init__()
         self.weights = prepare_weights(w13, w2, backend=backend)
         E_local = self.weights.num_local_experts
@@ -105,10 +110,11 @@ class LoRAExperts(nn.Module):
                                 f"{dtype_name(lora.dtype)}; make the bank with dtype={self.weights.dtype}")
         self.lora = lora
         self.fused = self._check_fused(fused)
+        self._fused_mode = fused if isinstance(fused, str) else None
 
-    def _check_fused(self, fused: bool | None) -> bool:
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"fused: expected True, False or None, got {type(fused).__name__}")
+    def _check_fused(self, fused: bool | str | None) -> bool:
+        if fused is not None and not isinstance(fused, bool) and fused not in FUSED_MODES:
+            raise TypeError(f"fused: expected True, False, None or one of {FUSED_MODES}, got {fused!r}")
         if self.lora is None or fused is False:
             return False
         reason = get_backend(self.backend).fused_lora_reason(self.lora)
@@ -184,5 +190,5 @@ class LoRAExperts(nn.Module):
             check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
                                self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,
-                               lora_ids if with_lora else None, self.fused)
+                               lora_ids if with_lora else None, self.fused, self._fused_mode)
         return get_backend(self.backend).lora_experts(call)

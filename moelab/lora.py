@@ -309,9 +309,10 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 #: The Triton kernel runs one program per slot (finding each slot's group itself, nothing sorted) while the A and B
 #: bytes those programs stream, ``T*K * r * 3(H + I) * itemsize``, stay under this budget; above it the slots are
 #: grouped into segments so each (adapter, expert) pair is read once per tile. Measured on an H200 at
-#: Qwen3-30B-A3B shapes, rank 16, 4 adapters (CUDA graphs, both deltas): building segments costs a fixed
-#: ~100-200 us (about 25 small torch launches), streaming per slot ~0.065 us a slot (270 KB each); per slot won
-#: at T=256 (138 vs 192 us, 0.55 GB), lost at T=512 (259 vs 205 us, 1.1 GB); the lines cross near 0.85 GB.
+#: Qwen3-30B-A3B shapes, rank 16, 4 adapters (CUDA graphs, both deltas), when the grouping was ~25 small torch
+#: launches (~100-200 us): per slot won at T=256 (138 vs 192 us, 0.55 GB), lost at T=512 (259 vs 205 us, 1.1 GB).
+#: The grouping is now 1-3 Triton launches (``moelab.kernels.segments``), so grouped tiles should win earlier; the
+#: crossover has not been measured again, and this budget is the old one.
 PER_SLOT_MAX_BYTES = 800 * 2**20
 
 

@@ -17,17 +17,10 @@ from moelab import reference
 BACKENDS = ["torch", "triton", "triton/tiles", "triton/flow"]
 
 
-@pytest.fixture(autouse=True)
-def _fused_path(request, monkeypatch):
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "triton/tiles":
-        from moelab.backends import triton_backend
-        monkeypatch.setattr(triton_backend, "FUSED_DECODE_MAX_SLOTS", 0)
-
-
 def make_experts(w13, w2, variant, **kwargs):
     backend, _, mode = variant.partition("/")
-    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=False if mode == "flow" else None, **kwargs)
+    fused = {"flow": False, "tiles": "tiles", "": None}[mode]
+    experts = moelab.LoRAExperts(w13, w2, backend=backend, fused=fused, **kwargs)
     assert experts.fused == (backend == "triton" and mode != "flow" and kwargs.get("lora") is not None)
     return experts
 
@@ -333,3 +326,22 @@ def test_base_path_under_torch_compile(device):
     compiled = torch.compile(lambda x, w, ids: experts(x, w, ids, None, validate=False),
                              backend="aot_eager" if device.type == "cpu" else "inductor", fullgraph=True)
     assert torch.equal(compiled(x, w, ids), experts(x, w, ids, None))
+
+
+@pytest.mark.parametrize("fused, launcher", [(None, "decode_segments_w13_shrink"),
+                                             ("decode", "decode_segments_w13_shrink"), ("tiles", "shrink_w13_tiles")])
+def test_fused_mode_argument_picks_the_path(fused, launcher, device, monkeypatch):
+    """``fused=`` forces a mode of the fused path (what tests of either mode rely on); a small batch takes decode."""
+    from moelab.kernels import fused_lora
+    T, K, E, H, I = 3, 2, 4, 32, 16
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, torch.float32, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton", fused=fused,
+                                 lora=make_bank(adapters, E, 0, H, I, 8, torch.float32, device))
+    calls = []
+    for name in ("decode_segments_w13_shrink", "shrink_w13_tiles"):
+        original = getattr(fused_lora, name)
+        monkeypatch.setattr(fused_lora, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
+    out = experts(x, w, ids, lora_ids)
+    assert calls == [launcher]
+    assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, experts.lora)["output"],
+                              torch.float32, f"fused={fused}")

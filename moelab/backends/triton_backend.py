@@ -75,6 +75,7 @@ class FusedLoRA:
 
     bank: LoRABank
     lora_ids: torch.Tensor
+    mode: str | None = None  # "tiles" or "decode" forces that mode; None: decode up to FUSED_DECODE_MAX_SLOTS slots
 
 
 #: Widest stacked bank (L_PAD * R_PAD, :attr:`LoRABank.stacked_pads`) the fused path of ``LoRAExperts`` takes; wider
@@ -130,7 +131,9 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         if buf.shape[0] > reach:
             buf[reach:].fill_(dead_fill)
     lora_args = None  # the GEMMs' LoRA operands (moelab/kernels/fused_lora.py), by mode
-    if lora is not None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS:  # segments + W13 shrink: 1 launch
+    decode = lora is not None and (lora.mode == "decode" or (
+        lora.mode is None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS))
+    if decode:  # segments + W13 shrink in one launch
         lora_args = fused_lora.decode_segments_w13_shrink(
             routing, x, lora.bank, lora.lora_ids, expert_weights, num_local_experts=E_local, tile=cfg.block_m,
             local_expert_offset=local_expert_offset, pdl=pdl)
@@ -204,7 +207,10 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
-    lora = None if call.lora is None else FusedLoRA(call.lora, call.lora_ids.contiguous())
+    lora = None if call.lora is None else FusedLoRA(call.lora, call.lora_ids.contiguous(), call.fused_mode)
+    if lora is not None and lora.mode == "decode" and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
+        raise ValueError(f"fused: the decode mode takes at most {FUSED_DECODE_MAX_SLOTS} slots (T*K), got "
+                         f"{call.topk_ids.numel()}; pass fused=True or 'tiles'")
     W = call.weights
     _pipeline(call.topk_ids.contiguous(), weights.contiguous(), call.hidden_states, W.gemm1_weights,
               W.gemm2_weights, call.num_experts, call.local_expert_offset, None, True, output=call.output, lora=lora,
