@@ -39,7 +39,8 @@ def jit(fn):
 def _scoped_interpreter(fn):
     """``fn`` as Triton's interpreter runs it. Triton's own library functions (``tl.sum``, ``tl.zeros_like``, ...)
     are compiled functions when Triton was imported without ``TRITON_INTERPRET=1``; while one of moelab's kernels
-    runs, they are swapped for interpreted twins, and Triton's interpreter switch is on; both are put back after."""
+    runs, they are swapped for interpreted twins and Triton's switch (``TRITON_INTERPRET``) is on; both are put back
+    after."""
     import contextlib
     import sys
 
@@ -50,8 +51,9 @@ def _scoped_interpreter(fn):
 
     @contextlib.contextmanager
     def interpreted_library():
-        swapped = [(triton.knobs.runtime, "interpret", triton.knobs.runtime.interpret)]
-        triton.knobs.runtime.interpret = True  # the interpreter's own argument handling asks for it
+        swapped = []
+        variable = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"  # the interpreter's own argument handling asks Triton's switch
         for name, module in list(sys.modules.items()):
             if name.startswith("triton.language") and module is not None:
                 for attr, value in list(vars(module).items()):
@@ -64,6 +66,10 @@ def _scoped_interpreter(fn):
         finally:
             for module, attr, value in reversed(swapped):
                 setattr(module, attr, value)
+            if variable is None:
+                os.environ.pop("TRITON_INTERPRET")
+            else:
+                os.environ["TRITON_INTERPRET"] = variable
 
     class ScopedInterpretedFunction(InterpretedFunction):
         def run(self, *args, **kwargs):
