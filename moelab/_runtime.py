@@ -1,11 +1,12 @@
 """Where moelab runs: the capability probe every backend consults.
 
-On a machine without a CUDA GPU moelab's own Triton kernels run in Triton's interpreter, so ``import moelab``
-works on a laptop or CI box with no environment variable set by hand. The switch is scoped to moelab's kernels
-(:func:`moelab.kernels._common.jit` defines them as interpreted functions): the process environment is left alone,
-so other Triton users in the process (Liger, torch.compile, the user's own kernels) compile as they would without
-moelab. ``TRITON_INTERPRET=1`` interprets every Triton kernel (Triton's own switch); ``TRITON_INTERPRET=0`` keeps
-moelab's kernels off the CPU too (its ops then run their torch fallbacks there).
+Imported first by ``moelab/__init__.py``. On a machine without a CUDA GPU it switches Triton to its interpreter
+(``TRITON_INTERPRET=1``) *before* any kernel is defined, so ``import moelab`` works on a laptop or CI box with no
+environment variable set by hand. That switch is still process-wide (other Triton kernels of the process run
+interpreted too): scoping it to moelab's kernels (:func:`moelab.kernels._common.jit`) left torchrun ranks of
+``moelab.distributed`` dying at exit ("terminate called without an active exception") whenever the variable was not
+"1", so it waits for that to be understood. ``TRITON_INTERPRET=0`` keeps moelab's kernels off the CPU (its ops then
+run their torch fallbacks there).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import os
 
 import torch
 
-_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 #: True when moelab's Triton kernels run in Triton's CPU interpreter (numpy under the hood).
-INTERPRET: bool = _TRITON_INTERPRET == "1" or (_TRITON_INTERPRET is None and not torch.cuda.is_available())
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     import triton  # noqa: F401

@@ -43,8 +43,7 @@ def unavailable_reason(device: torch.device) -> str | None:
         return "the triton package is not installed"
     if _runtime.triton_can_run(device):
         return None
-    return (f"Triton runs on CUDA tensors, or on CPU tensors in its interpreter (moelab uses it where no CUDA GPU "
-            f"is found, unless TRITON_INTERPRET=0); got {device.type}")
+    return f"Triton runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; got {device.type}"
 
 
 def expert_options_reason(*, activation: str = "silu", gated: bool = True, swiglu_alpha=None, swiglu_limit=None,

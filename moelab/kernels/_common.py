@@ -9,8 +9,6 @@ Two interpreter bugs (both absent on a GPU) would otherwise skew every bf16 resu
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -29,54 +27,9 @@ def dot_flags(dtype: torch.dtype) -> dict:
 
 
 def jit(fn):
-    """``triton.jit`` for moelab's kernels: compiled on a GPU; in Triton's interpreter when moelab runs there
-    (``moelab._runtime.INTERPRET``, no CUDA GPU), for these functions only (the environment is left alone)."""
-    if _runtime.INTERPRET and os.environ.get("TRITON_INTERPRET") != "1":
-        return _scoped_interpreter(fn)
+    """``triton.jit`` for moelab's kernels: the one place that decides how they run (compiled on a GPU; in Triton's
+    interpreter under ``TRITON_INTERPRET=1``, which ``moelab._runtime`` sets where no CUDA GPU is found)."""
     return triton.jit(fn)
-
-
-def _scoped_interpreter(fn):
-    """``fn`` as Triton's interpreter runs it. Triton's own library functions (``tl.sum``, ``tl.zeros_like``, ...)
-    are compiled functions when Triton was imported without ``TRITON_INTERPRET=1``; while one of moelab's kernels
-    runs, they are swapped for interpreted twins and Triton's switch (``TRITON_INTERPRET``) is on; both are put back
-    after."""
-    import contextlib
-    import sys
-
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    twins: dict = {}
-
-    @contextlib.contextmanager
-    def interpreted_library():
-        swapped = []
-        variable = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"  # the interpreter's own argument handling asks Triton's switch
-        for name, module in list(sys.modules.items()):
-            if name.startswith("triton.language") and module is not None:
-                for attr, value in list(vars(module).items()):
-                    if isinstance(value, JITFunction):
-                        twin = twins.setdefault(id(value), InterpretedFunction(value.fn))
-                        swapped.append((module, attr, value))
-                        setattr(module, attr, twin)
-        try:
-            yield
-        finally:
-            for module, attr, value in reversed(swapped):
-                setattr(module, attr, value)
-            if variable is None:
-                os.environ.pop("TRITON_INTERPRET")
-            else:
-                os.environ["TRITON_INTERPRET"] = variable
-
-    class ScopedInterpretedFunction(InterpretedFunction):
-        def run(self, *args, **kwargs):
-            with interpreted_library():
-                return super().run(*args, **kwargs)
-
-    return ScopedInterpretedFunction(fn)
 
 
 @jit
