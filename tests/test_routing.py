@@ -29,6 +29,7 @@ def check_route(logits: torch.Tensor, top_k: int, method: str, **kwargs) -> tupl
     """Run moelab.route and the reference on the same (upcast) values; ids exactly, weights to 1e-5."""
     weights, ids = moelab.route(logits, top_k, method, **kwargs)
     ref_kwargs = dict(kwargs)
+    ref_kwargs.pop("validate", None)  # the reference has no host sync to skip
     if kwargs.get("correction_bias") is not None:
         ref_kwargs["correction_bias"] = kwargs["correction_bias"].double()
     T = logits.shape[0]
@@ -222,7 +223,8 @@ def test_route_rejects_bad_input(logits, top_k, method, kwargs, error, match):
 @pytest.mark.parametrize("method", ROUTING_METHODS)  # every path on the GPU with no device-to-host copy
 def test_route_does_not_sync_on_cuda(method):
     logits = random_logits(128, 64, torch.bfloat16, seed=6, device="cuda")
-    kwargs = {"n_group": 8, "topk_group": 4, "correction_bias": torch.rand(64, device="cuda")} \
+    # validate=False: route's one documented host sync is the NaN/inf check of correction_bias (validate=True)
+    kwargs = {"n_group": 8, "topk_group": 4, "correction_bias": torch.rand(64, device="cuda"), "validate": False} \
         if method == "deepseek_v3" else {}
     top_k = 1 if method == "llama4" else 8
     torch.cuda.synchronize()

@@ -304,7 +304,9 @@ def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, 
         args = dict(route_args)
         if args.get("correction_bias") is not None:
             args["correction_bias"] = args["correction_bias"].reshape(-1)
-        weights, ids = route(logits, top_k, method, **args)
+        # validate=False: no host sync per call (CUDA-graph safe); the model's correction bias is a parameter,
+        # not per-call input
+        weights, ids = route(logits, top_k, method, validate=False, **args)
         if layer.apply_router_weight_on_input:  # Llama-4's experts take dense inputs: moelab's op directly
             out = layer.forward(experts, x, ids, weights)
         else:  # through the module, so its hooks see the call
