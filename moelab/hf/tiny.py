@@ -169,7 +169,8 @@ def tiny_config(family: str, experts_cls: type | None = None, **overrides):
             config = cls()
             if not hasattr(config, "hidden_size"):  # a composite config (Qwen3-Omni's thinker): its text part
                 config = next(getattr(config, n) for n in ("text_config", "thinker_config") if hasattr(config, n))
-            config = _shrink(config)
+            overrides = dict(overrides)  # a layer count goes through _shrink, which resizes the per-layer lists too
+            config = _shrink(config, layers=overrides.pop("num_hidden_layers", None))
             for name, value in overrides.items():
                 setattr(config, name, value)
     except Exception as e:  # a config class with required arguments or a validator our sizes upset
