@@ -68,3 +68,20 @@ def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
         raise ValueError(f"backend: {name!r} cannot run on {device}: {reason}; "
                          f"use one of {available_backends(device)} (or 'auto')")
     return name
+
+
+def swiglu_only_reason(*, activation: str = "silu", gated: bool = True, swiglu_alpha=None, swiglu_limit=None,
+                          has_bias: bool = False, apply_router_weight_on_input: bool = False) -> str | None:
+    """Why kernels that run plain SwiGLU without biases (triton, flashinfer) cannot run an expert activation/bias
+    option (None: they can). Those backends expose it as their ``expert_options_reason``."""
+    if activation == "silu" and gated and swiglu_limit is None and not has_bias and not apply_router_weight_on_input:
+        return None
+    what = []
+    if (activation, gated) != ("silu", True) or swiglu_limit is not None:
+        what.append(f"activation {activation!r}" + ("" if gated else " (not gated)")
+                    + (f" with swiglu_limit={swiglu_limit}" if swiglu_limit is not None else ""))
+    if has_bias:
+        what.append("GEMM biases")
+    if apply_router_weight_on_input:
+        what.append("the router weight on the input")
+    return f"runs SwiGLU without biases only, not {', '.join(what)}"

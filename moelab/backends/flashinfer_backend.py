@@ -24,7 +24,7 @@ import importlib.util
 import torch
 
 from moelab import _runtime, layout
-from moelab.backends import lora_flow
+from moelab.backends import lora_flow, swiglu_only_reason
 from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.permutation import default_tile
 
@@ -79,20 +79,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     return "; and ".join(reasons) or None
 
 
-def expert_options_reason(*, activation: str = "silu", gated: bool = True, swiglu_alpha=None, swiglu_limit=None,
-                          has_bias: bool = False, apply_router_weight_on_input: bool = False) -> str | None:
-    """Why these kernels cannot run an expert activation/bias option (None: plain SwiGLU, which they run)."""
-    if activation == "silu" and gated and swiglu_limit is None and not has_bias and not apply_router_weight_on_input:
-        return None
-    what = []
-    if (activation, gated) != ("silu", True) or swiglu_limit is not None:
-        what.append(f"activation {activation!r}" + ("" if gated else " (not gated)")
-                    + (f" with swiglu_limit={swiglu_limit}" if swiglu_limit is not None else ""))
-    if has_bias:
-        what.append("GEMM biases")
-    if apply_router_weight_on_input:
-        what.append("the router weight on the input")
-    return f"runs SwiGLU without biases only, not {', '.join(what)}"
+expert_options_reason = swiglu_only_reason  # the kernels run plain SwiGLU without biases only
 
 
 def prepare(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
