@@ -5,7 +5,11 @@ The multi-process checks start few process groups (spawn is slow on 2 cores): on
 running every check of ``_rank_checks`` in one group. Each check returns what it measured; the assertions run here,
 in the parent, so a failure names the rank and the check. The same checks run under torchrun:
 
-    torchrun --nproc-per-node 2 tests/test_distributed.py      (gloo on CPU; NCCL when CUDA is available)
+    torchrun --nproc-per-node 2 tests/test_distributed.py      (gloo on CPU; NCCL on cuda:rank when CUDA is available)
+
+Every tensor is built on the CPU from seeded generators (the same values on every rank and every device), then
+moved to ``cuda:rank`` when the group is NCCL; on GPUs the checks also run the triton backend in bf16 and capture
+the static-capacity layer in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -200,9 +204,9 @@ E, K, H, I, L, RANK = 8, 2, 32, 16, 2, 4  # tiny: the torch backend on 2 shared 
 MODES = moelab.distributed.DISPATCH_MODES
 
 
-def _model(seed=0):
+def _model(seed=0, device="cpu"):
     """Global fp32 experts and a 2-slot bank over all E experts (slot 0 rank 4, slot 1 rank 2), the same on
-    every rank (seeded)."""
+    every rank (seeded on the CPU, then moved to ``device``)."""
     g = torch.Generator().manual_seed(seed)
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
     bank = moelab.LoRABank(L, E, H, I, RANK, dtype=torch.float32)
@@ -211,7 +215,17 @@ def _model(seed=0):
              [("gate_a", (r, H)), ("gate_b", (I, r)), ("up_a", (r, H)), ("up_b", (I, r)), ("down_a", (r, I)),
               ("down_b", (H, r))]}
         bank.set(slot, **f, scaling=0.3 / r)
-    return w13, w2, bank
+    return w13.to(device), w2.to(device), _bank_as(bank, torch.float32, device)
+
+
+def _bank_as(bank, dtype, device):
+    """A copy of ``bank`` in ``dtype`` on ``device``."""
+    new = moelab.LoRABank(bank.max_loras, bank.num_local_experts, H, I,
+                          RANK, dtype=dtype, device=device)
+    for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
+        getattr(new, name).copy_(getattr(bank, name))
+    new.ranks = list(bank.ranks)
+    return new
 
 
 def _layer(w13, w2, bank, logical, **kwargs):
@@ -219,21 +233,23 @@ def _layer(w13, w2, bank, logical, **kwargs):
     from moelab.distributed import ExpertParallelMoE
 
     w13_local, w2_local, local_bank = _local(w13, w2, bank, logical)
-    return ExpertParallelMoE(w13_local, w2_local, lora=local_bank, num_experts=E, top_k=K, backend="torch", **kwargs)
+    kwargs.setdefault("backend", "torch")
+    return ExpertParallelMoE(w13_local, w2_local, lora=local_bank, num_experts=E, top_k=K, **kwargs)
 
 
 def _local(w13, w2, bank, logical):
     """The rows of the physical experts holding ``logical`` (int [P_local]), bank slices included."""
     local_bank = None
     if bank is not None:
-        local_bank = moelab.LoRABank(L, len(logical), H, I, RANK, dtype=bank.dtype)
+        local_bank = moelab.LoRABank(L, len(logical), H, I, RANK, dtype=bank.dtype, device=bank.device)
         for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
             getattr(local_bank, name).copy_(getattr(bank, name)[:, logical])
         local_bank.ranks = list(bank.ranks)
+    logical = logical.to(w13.device)
     return w13[logical], w2[logical], local_bank
 
 
-def _tokens(counts, seed, *, skew=None, own_experts_on=None, P_local=None):
+def _tokens(counts, seed, *, skew=None, own_experts_on=None, P_local=None, device="cpu"):
     """Every rank's tokens (global batch, the same on every rank): x [T, H], weights [T, K], logical ids [T, K],
     adapter ids [T] (-1 = none). ``skew`` [E]: routing probabilities; ``own_experts_on``: a rank whose tokens
     route only to experts it holds (it sends nothing to the others)."""
@@ -250,7 +266,7 @@ def _tokens(counts, seed, *, skew=None, own_experts_on=None, P_local=None):
     weights = torch.rand(T, K, generator=g)
     lora_ids = torch.randint(-1, L, (T,), generator=g)
     lora_ids[::3] = -1  # a third of the tokens without an adapter, whatever the draw
-    return x, weights, ids, lora_ids
+    return x.to(device), weights.to(device), ids.to(device), lora_ids.to(device)
 
 
 def _mine(rank, counts, *tensors):
@@ -273,12 +289,14 @@ def _expect_error(fn):
     return None
 
 
-def _rank_checks(rank, R):
-    """Every multi-process check on one group; returns what each measured (asserted in the parent)."""
+def _rank_checks(rank, R, device="cpu"):
+    """Every multi-process check on one group; returns what each measured (asserted in the parent). ``device``:
+    "cpu" (gloo) or "cuda" (NCCL, this rank on cuda:rank)."""
     import torch.distributed as dist
 
     torch.manual_seed(rank)  # nothing below may depend on it: the batch is seeded, the same on every rank
-    w13, w2, bank = _model()
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    w13, w2, bank = _model(device=dev)
     P_local = E // R
     block = torch.arange(rank * P_local, (rank + 1) * P_local)
     single = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch")
@@ -292,10 +310,12 @@ def _rank_checks(rank, R):
         layer = _layer(w13, w2, bank, block, dispatch=mode)
         base_layer = _layer(w13, w2, None, block, dispatch=mode)
         for name, (counts, kw) in cases.items():
-            x, w, ids, lora_ids = _tokens(counts, seed=1, **kw)
+            x, w, ids, lora_ids = _tokens(counts, seed=1, device=dev, **kw)
             want = single(x, w, ids, lora_ids)
             mx, mw, mids, mlora = _mine(rank, counts, x, w, ids, lora_ids)
+            layer.reset_load()
             out = layer(mx, mw, mids, mlora)
+            load = layer.physical_load.tolist()
             out_base = base_layer(mx, mw, mids, None)
             # the adapter tokens change adapter (0 <-> 1): a token without one must not move by a bit
             swapped = layer(mx, mw, mids, torch.where(mlora >= 0, 1 - mlora, mlora))
@@ -314,30 +334,61 @@ def _rank_checks(rank, R):
                 single_bitwise=torch.equal(out[one_rank], mine_want[one_rank]),
                 base_single_bitwise=torch.equal(out_base, mine_base),
                 sent_home_only=bool((mids // P_local == rank).all()))
+            # the same tokens through the static-capacity layer (capturable): capacity above T, padded rows
+            static = _layer(w13, w2, bank, block, dispatch=mode, max_tokens_per_rank=max(counts) + 2)
+            out_static = static(mx, mw, mids, mlora)
+            static_load = static.physical_load.tolist()
+            swapped_static = static(mx, mw, mids, torch.where(mlora >= 0, 1 - mlora, mlora))
+            results[(mode, name)].update(
+                static_rel_single=_rel(out_static, mine_want), static_shape=tuple(out_static.shape),
+                static_adapter_bitwise=torch.equal(out_static[no_adapter], swapped_static[no_adapter]),
+                static_load=static_load, load=load)
         # T = 0 on every rank
-        empty = layer(torch.zeros(0, H), torch.zeros(0, K), torch.zeros(0, K, dtype=torch.long),
-                      torch.zeros(0, dtype=torch.long))
+        empty = layer(torch.zeros(0, H, device=dev), torch.zeros(0, K, device=dev),
+                      torch.zeros(0, K, dtype=torch.long, device=dev), torch.zeros(0, dtype=torch.long, device=dev))
         results[(mode, "all_empty")] = tuple(empty.shape)
         if R == 2:
             # rank 1 passes lora_ids=None (its tokens have no adapter) while rank 0 uses adapters
-            x, w, ids, lora_ids = _tokens([4, 5], seed=4)
+            x, w, ids, lora_ids = _tokens([4, 5], seed=4, device=dev)
             lora_ids[4:] = -1
             mx, mw, mids, mlora = _mine(rank, [4, 5], x, w, ids, lora_ids)
             out = layer(mx, mw, mids, mlora if rank == 0 else None)
             results[(mode, "mixed_none")] = _rel(out, _mine(rank, [4, 5], single(x, w, ids, lora_ids))[0])
             # bf16 weights, bank and activations: within 1e-2 of the float64 reference
-            bank16 = moelab.LoRABank(L, E, H, I, RANK, dtype=torch.bfloat16)
-            for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
-                getattr(bank16, name).copy_(getattr(bank, name))
-            bank16.ranks = list(bank.ranks)
+            bank16 = _bank_as(bank, torch.bfloat16, dev)
             w13_16, w2_16 = w13.bfloat16(), w2.bfloat16()
-            layer16 = _layer(w13_16, w2_16, bank16, block, dispatch=mode)
             mx16 = mx.bfloat16()
-            out16 = layer16(mx16, mw, mids, mlora)
             ref16 = reference.lora_experts(mx16, mw, mids, mlora, w13_16, w2_16, bank16)["output"]
-            results[(mode, "bf16")] = (str(out16.dtype), _rel(out16, ref16))
+            backends = ["torch", "triton"] if device == "cuda" else ["torch"]
+            for backend in backends:
+                for capacity in (None, 8):
+                    layer16 = _layer(w13_16, w2_16, bank16, block, dispatch=mode, backend=backend,
+                                     max_tokens_per_rank=capacity)
+                    out16 = layer16(mx16, mw, mids, mlora)
+                    key = "bf16" if (backend, capacity) == ("torch", None) else f"bf16_{backend}_{capacity}"
+                    results[(mode, key)] = (str(out16.dtype), _rel(out16, ref16))
+            if device == "cuda":
+                results[(mode, "graph")] = _graph_checks(rank, R, mode, w13_16, w2_16, bank16, block, dev)
+        # static capacity: T above it on one rank -> every rank raises (validate=True); with validate=False the
+        # bad rank raises after taking part with no tokens, and the others finish with correct outputs
+        counts = [3] * R
+        x, w, ids, lora_ids = _tokens(counts, seed=5, device=dev)
+        mx, mw, mids, mlora = _mine(rank, counts, x, w, ids, lora_ids)
+        static = _layer(w13, w2, bank, block, dispatch=mode, max_tokens_per_rank=3)
+        big = [t.repeat(2, *[1] * (t.dim() - 1)) if rank == R - 1 else t for t in (mx, mw, mids, mlora)]
+        results[(mode, "static_over_capacity")] = _expect_error(lambda f=static, a=big: f(*a))
+        bad_shape = mw[:, :1] if rank == R - 1 else mw
+        results[(mode, "static_unvalidated_bad_rank")] = _expect_error(
+            lambda f=static, a=(mx, bad_shape, mids, mlora): f(*a, validate=False))
+        try:
+            out = static(mx, bad_shape, mids, mlora, validate=False)
+            want, = _mine(rank, counts, single(x, w, ids, lora_ids))
+            # without rank R-1's tokens, the others' outputs are still exact (rank R-1 computed its experts)
+            results[(mode, "static_unvalidated_others")] = _rel(out, want)
+        except ValueError:
+            results[(mode, "static_unvalidated_others")] = None
         # bad input on rank R-1 only: every rank raises, and the group still works afterwards
-        x, w, ids, lora_ids = _tokens([3] * R, seed=2)
+        x, w, ids, lora_ids = _tokens([3] * R, seed=2, device=dev)
         mx, mw, mids, mlora = _mine(rank, [3] * R, x, w, ids, lora_ids)
         bad_ids = mids.clone()
         if rank == R - 1:
@@ -347,21 +398,21 @@ def _rank_checks(rank, R):
                                                                                     single(x, w, ids, lora_ids))[0])
         # EPLB under skewed routing: one redundant copy per rank, measured load before and after rebalancing
         P = E + R
-        start_map = moelab.distributed.default_expert_map(E, P)
+        start_map = moelab.distributed.default_expert_map(E, P).to(dev)
         mine_map = start_map[rank * (P_local + 1):(rank + 1) * (P_local + 1)]
         eplb_layer = _layer(w13, w2, bank, mine_map, dispatch=mode, expert_map=start_map)
         counts = [40 + 3 * r for r in range(R)]
-        x, w, ids, lora_ids = _tokens(counts, seed=3, skew=[30, 12, 1, 1, 1, 1, 1, 1])
+        x, w, ids, lora_ids = _tokens(counts, seed=3, skew=[30, 12, 1, 1, 1, 1, 1, 1], device=dev)
         mx, mw, mids, mlora = _mine(rank, counts, x, w, ids, lora_ids)
         before = eplb_layer(mx, mw, mids, mlora)
         load_before = _rank_loads(eplb_layer, R)
         logical_load = torch.bincount(ids.flatten(), minlength=E)
-        p2l, _, replica_count = rebalance_experts(logical_load[None], P, 1, 1, R)
+        p2l, _, replica_count = rebalance_experts(logical_load[None].cpu(), P, 1, 1, R)
         eplb_layer.rebalance(p2l[0])
         after = eplb_layer(mx, mw, mids, mlora)
         load_after = _rank_loads(eplb_layer, R)
         mine_want, = _mine(rank, counts, single(x, w, ids, lora_ids))
-        per_copy = logical_load.double() / replica_count[0].double()
+        per_copy = logical_load.cpu().double() / replica_count[0].double()
         results[(mode, "eplb")] = dict(
             rel_before=_rel(before, mine_want), rel_after=_rel(after, mine_want), rel_move=_rel(after, before),
             load_before=load_before, load_after=load_after, max_per_copy=per_copy.max().item(),
@@ -379,11 +430,52 @@ def _rank_checks(rank, R):
     if R == 2:  # the benchmark's tiny run, in this group (its 1-rank numbers from a sub-group of rank 0)
         from moelab.distributed import bench
 
-        config = dict(bench.TINY, tokens=[6], dtype="float32", backend="torch", device="cpu", modes=list(MODES),
-                      iters=1, warmup=0, skew=1.0, redundant=1)
+        config = dict(bench.TINY, tokens=[6], dtype="float32", backend="torch", device=device, modes=list(MODES),
+                      iters=1, warmup=0, skews=[1.0], redundant=1, capacity=True, graphs=device == "cuda")
         results["bench"] = bench.run_rank(rank, R, config)
     dist.barrier()
     return results
+
+
+def _graph_checks(rank, R, mode, w13, w2, bank, block, dev):
+    """CUDA graphs on NCCL (bf16, triton): the static-capacity layer captured once and replayed on new tokens
+    equals its eager call bit for bit; the dynamic layer refuses capture with a RuntimeError on every rank."""
+    C = 8
+    static = _layer(w13, w2, bank, block, dispatch=mode, backend="triton", max_tokens_per_rank=C)
+    counts = [6] * R
+    batches = []
+    for seed in (11, 12):
+        x, w, ids, lora_ids = _tokens(counts, seed=seed, device=dev)
+        batches.append([t.bfloat16() if t.is_floating_point() and t.dim() == 2 and t.shape[1] == H else t
+                        for t in _mine(rank, counts, x, w, ids, lora_ids)])
+    inputs = [t.clone() for t in batches[0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream: NCCL communicators, Triton compiles
+        for _ in range(2):
+            static(*inputs, validate=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = static(*inputs, validate=False)
+    for t, new in zip(inputs, batches[1]):
+        t.copy_(new)
+    captured.fill_(float("nan"))  # poison: the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = static(*batches[1], validate=False)
+    ref = reference.lora_experts(*batches[1][:3], batches[1][3], w13, w2, bank)["output"]
+    dynamic = _layer(w13, w2, bank, block, dispatch=mode, backend="triton")
+    dynamic(*batches[0], validate=False)
+    refused = None
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            dynamic(*inputs, validate=False)
+    except RuntimeError as err:
+        refused = str(err)
+    after = _rel(dynamic(*batches[1]), eager)  # the group still works after the refusal
+    return dict(replay_equals_eager=torch.equal(captured, eager), rel_ref=_rel(captured, ref), refused=refused,
+                after_refusal=after)
 
 
 def _rank_loads(layer, R):
@@ -395,7 +487,7 @@ def _rank_loads(layer, R):
     return [int(v) for v in every]
 
 
-def _check_results(results, R):
+def _check_results(results, R, device="cpu"):
     for mode in MODES:
         for name in ("uneven", "stays_home") if R == 2 else ("uneven",):
             for rank, res in enumerate(results):
@@ -407,7 +499,13 @@ def _check_results(results, R):
                 assert r["rel_base"] <= 1e-5, f"{where}: no-LoRA layer rel err {r['rel_base']:.2e} vs the reference"
                 assert r["adapter_bitwise"], f"{where}: a token without an adapter moved when others changed adapter"
                 assert r["adapter_moved"] or r["T"] == 0, f"{where}: swapping adapters changed nothing (test is void)"
-                assert r["single_bitwise"], f"{where}: a token with all experts on one rank differs from one process"
+                if device == "cpu":  # cuBLAS may pick another GEMM for another batch size: bitwise on the CPU only
+                    assert r["single_bitwise"], f"{where}: a token with all experts on one rank differs from one " \
+                                                f"process"
+                assert r["static_shape"] == r["shape"], f"{where}: static-capacity output shape {r['static_shape']}"
+                assert r["static_rel_single"] <= 1e-5, f"{where}: static-capacity rel err {r['static_rel_single']:.2e}"
+                assert r["static_adapter_bitwise"], f"{where}: static capacity: a token without an adapter moved"
+                assert r["static_load"] == r["load"], f"{where}: padding rows were counted as load"
             if name == "uneven":
                 assert any(res[(mode, name)]["T"] == 0 for res in results), "no rank with T = 0 in the uneven case"
                 assert sum(res[(mode, name)]["no_adapter"] for res in results) > 0, "no token without an adapter"
@@ -416,8 +514,29 @@ def _check_results(results, R):
         for rank, res in enumerate(results):
             if R == 2:
                 assert res[(mode, "mixed_none")] <= 1e-5, f"{mode}, rank {rank}: lora_ids None on one rank only"
-                dtype, err = res[(mode, "bf16")]
-                assert dtype == "torch.bfloat16" and err <= 1e-2, f"{mode}, rank {rank}: bf16 {dtype} rel err {err}"
+                keys = [k for k in res if isinstance(k, tuple) and k[0] == mode and k[1].startswith("bf16")]
+                assert len(keys) == (4 if device == "cuda" else 2), f"{mode}: bf16 checks ran: {keys}"
+                for key in keys:
+                    dtype, err = res[key]
+                    assert dtype == "torch.bfloat16" and err <= 1e-2, f"{key}, rank {rank}: {dtype} rel err {err}"
+                if device == "cuda":
+                    g = res[(mode, "graph")]
+                    assert g["replay_equals_eager"], f"{mode}, rank {rank}: the CUDA-graph replay differs from eager"
+                    assert g["rel_ref"] <= 1e-2, f"{mode}, rank {rank}: replay rel err {g['rel_ref']:.2e}"
+                    assert g["refused"] and "max_tokens_per_rank" in g["refused"], \
+                        f"{mode}, rank {rank}: the dynamic layer under capture: {g['refused']!r}"
+                    assert g["after_refusal"] <= 1e-2, f"{mode}, rank {rank}: wrong after refusing capture"
+            err = res[(mode, "static_over_capacity")]
+            want = "max_tokens_per_rank = 3" if rank == R - 1 else f"rank(s) [{R - 1}] rejected"
+            assert err is not None and want in err, f"{mode}, rank {rank}: over capacity raised {err!r}"
+            err = res[(mode, "static_unvalidated_bad_rank")]
+            if rank == R - 1:
+                assert err is not None and "topk_weights" in err, f"{mode}: the bad rank raised {err!r}"
+                assert res[(mode, "static_unvalidated_others")] is None
+            else:
+                assert err is None, f"{mode}, rank {rank}: raised {err!r} for another rank's unvalidated input"
+                rel = res[(mode, "static_unvalidated_others")]
+                assert rel is not None and rel <= 1e-5, f"{mode}, rank {rank}: rel err {rel} beside a bad rank"
             assert res[(mode, "all_empty")] == (0, H), f"{mode}: T = 0 everywhere gave {res[(mode, 'all_empty')]}"
             err = res[(mode, "bad_input")]
             assert err is not None, f"{mode}: rank {rank} did not raise when rank {R - 1} passed a bad expert id"
@@ -445,15 +564,22 @@ def _check_results(results, R):
         assert ("same expert_map" in res["map_differs"]) or ("rejected" in res["map_differs"]), res["map_differs"]
 
 
-def _check_bench(rows):
-    assert len(rows) == 4, f"expected 1 and 2 ranks x 2 modes, got {rows}"
+def _check_bench(rows, device="cpu"):
+    graphs = device == "cuda"
+    want = (2 if graphs else 1) + 2 * 2 * (3 if graphs else 2)  # baseline + modes x placements x variants
+    assert len(rows) == want, f"expected {want} rows, got {len(rows)}: {rows}"
     for row in rows:
-        assert row["ms"] > 0 and row["tokens_per_s"] > 0 and row["experts_ms"] > 0, row
-        if row["gpus"] == 2:
-            assert row["comm_ms"] > 0 and 1 <= row["imbalance_eplb"] and 1 <= row["imbalance"], row
+        assert "error" not in row, row
+        assert row["ms"] > 0 and row["tokens_per_s"] > 0 and row["speedup"] > 0, row
+        if row["gpus"] == 2 and row["variant"] != "graph":
+            assert row["comm_ms"] > 0 and row["experts_ms"] > 0 and row["bytes_sent"] > 0, row
+            assert 1 <= row["imbalance"] <= 2, row
+    eplb = [r["imbalance"] for r in rows if r.get("placement") == "eplb" and "imbalance" in r]
+    contiguous = [r["imbalance"] for r in rows if r.get("placement") == "contiguous" and "imbalance" in r]
+    assert eplb and max(eplb) <= max(contiguous), f"EPLB {eplb} vs contiguous {contiguous}"
     from moelab.distributed.bench import _table
 
-    assert "| gpus | mode |" in _table(rows)
+    assert "| skew | T | gpus | mode |" in _table(rows)
 
 
 def test_bench_needs_gpus_or_tiny(capsys):
@@ -462,6 +588,17 @@ def test_bench_needs_gpus_or_tiny(capsys):
     if torch.cuda.device_count() < 64:
         assert bench.main(["--gpus", "64"]) == 2
         assert "use --tiny" in capsys.readouterr().err
+
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL); the gloo test covers the CPU")
+def test_expert_parallel_on_nccl():
+    """The same checks on 2 GPUs under NCCL, plus the triton backend in bf16 and CUDA-graph capture."""
+    results = moelab.distributed.spawn_ranks(_rank_checks, 2, "cuda", device="cuda", timeout=120, env=NCCL_ENV)
+    _check_results(results, 2, "cuda")
+    _check_bench(results[0]["bench"], "cuda")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -478,10 +615,11 @@ if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_distributed
     import torch.distributed as dist
 
     rank, world_size = moelab.distributed.init_from_env()
-    mine = _rank_checks(rank, world_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # init_from_env: NCCL exactly when CUDA is available
+    mine = _rank_checks(rank, world_size, device)
     every = [None] * world_size
     dist.all_gather_object(every, mine)
     if rank == 0:
-        _check_results(every, world_size)
+        _check_results(every, world_size, device)
         print(f"test_distributed: all checks passed on {world_size} ranks")
     dist.destroy_process_group()

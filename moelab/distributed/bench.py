@@ -3,14 +3,21 @@
     python -m moelab.distributed.bench --gpus 2                    Qwen3-30B-A3B layer, T = 4096 and 16384 per GPU
     python -m moelab.distributed.bench --tiny                      tiny shapes on 2 CPU processes (gloo): a smoke run
 
-One spawn of ``--gpus`` processes (NCCL on GPUs, gloo on the CPU); the 1-GPU numbers come from a sub-group of
-rank 0 alone, through the same layer. Per (GPUs, mode, T): the median time of a layer call over ``--iters``
-calls, the slowest rank's, split into route / exchange / dispatch / experts / combine (the device is synchronised
-between phases while timing them, so the split adds a little time; the total is timed without it), throughput
-``GPUs * T / time``, and the speed-up over one GPU. Routing is skewed (``--skew``: logits of expert e get
-``skew * log(1/(e+1))``-style Zipf bias), so the load-imbalance rows compare the default contiguous placement with
-EPLB's placement (``--redundant`` extra copies per GPU, rebalanced from the measured load): max/mean slots per GPU,
-and the time with each placement.
+One spawn of ``--gpus`` processes (NCCL on GPUs, gloo on the CPU). The one-GPU baseline is the best single-GPU
+moelab layer: :class:`moelab.LoRAExperts` over all E experts on rank 0's device, no process group (eager, and
+replayed from a CUDA graph on GPUs); ``speedup`` of a row is its throughput ``gpus * T / time`` over the best
+baseline's ``T / time`` at the same T and routing. Per (routing skew, T, mode, placement, variant): ``ms``, the
+median time of a call over ``--iters`` calls (the slowest rank's); from separate instrumented calls, the split
+route / wait / exchange / dispatch / experts / combine (the device is synchronised between phases, and the ranks
+meet at a barrier before each collective, booked as "wait": the slowest rank's lead, i.e. imbalance; so
+``comm_ms`` = exchange + dispatch + combine is transfer time), ``bytes_sent`` (bytes a rank sent to other ranks in
+one call, the largest) and ``comm_GBps`` (bytes_sent / comm_ms).
+
+Placements: "contiguous" (rank r holds experts r*E/N ..) and "eplb" (``--redundant`` extra copies per GPU placed by
+:func:`moelab.distributed.rebalance_experts` from the batch's measured load). Variants: "dynamic" (split sizes
+exchanged each call: one host sync), "static" (``max_tokens_per_rank = T``: padded equal splits, no host sync) and
+"graph" (the static layer captured in a CUDA graph and replayed). Routing: ``--skews`` (Zipf exponents of a bias
+on the router logits, expert 0 hottest; 0 is uniform). ``imbalance``: max/mean slots per rank.
 
 Prints a Markdown table (rank 0) and, with ``--json PATH``, writes the rows.
 """
@@ -30,7 +37,7 @@ __all__ = ["main", "run_rank", "QWEN3_30B_A3B"]
 #: Qwen3-30B-A3B's MoE layer: 128 experts, top-8, hidden 2048, expert intermediate 768.
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
 TINY = dict(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16)
-PHASES = ("route", "exchange", "dispatch", "experts", "combine")
+PHASES = ("route", "wait", "exchange", "dispatch", "experts", "combine")
 COMM_PHASES = ("exchange", "dispatch", "combine")
 
 
@@ -47,31 +54,55 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time_layer(layer, args, iters, warmup, group):
-    """Median seconds of one call (the slowest rank's per call), and the median per-phase split."""
+def _graphed(call, device):
+    """``call`` captured in a CUDA graph (after a warm-up on a side stream): a function that replays it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def _median_time(call, iters, warmup, group, device):
+    """Median seconds of ``call()``, the slowest rank's per call (the ranks start together at a barrier)."""
     import torch.distributed as dist
 
-    device = args[0].device
-    totals, splits = [], []
+    totals = []
     for i in range(warmup + iters):
-        dist.barrier(group=group)
+        if group is not None:
+            dist.barrier(group=group)
         _sync(device)
         start = time.perf_counter()
-        layer(*args, validate=False)
+        call()
         _sync(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        layer.timings = {}
-        dist.barrier(group=group)
-        layer(*args, validate=False)  # the same call again, synchronised between phases, for the split
-        split = torch.tensor([layer.timings.get(p, 0.0) for p in PHASES], dtype=torch.float64, device=device)
-        layer.timings = None
-        dist.all_reduce(split, op=dist.ReduceOp.MAX, group=group)
+        if group is not None:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         if i >= warmup:
             totals.append(elapsed.item())
-            splits.append(split.tolist())
-    median_split = [statistics.median(s[j] for s in splits) for j in range(len(PHASES))]
-    return statistics.median(totals), dict(zip(PHASES, median_split))
+    return statistics.median(totals)
+
+
+def _split(layer, args, iters, group):
+    """Median per-phase seconds and bytes sent (the largest over ranks), from instrumented calls."""
+    import torch.distributed as dist
+
+    splits = []
+    for _ in range(iters):
+        layer.timings = {}
+        dist.barrier(group=group)
+        layer(*args, validate=False)
+        split = torch.tensor([layer.timings.get(p, 0.0) for p in PHASES] + [layer.timings.get("bytes_sent", 0)],
+                             dtype=torch.float64, device=args[0].device)
+        layer.timings = None
+        dist.all_reduce(split, op=dist.ReduceOp.MAX, group=group)
+        splits.append(split.tolist())
+    return {name: statistics.median(s[j] for s in splits) for j, name in enumerate((*PHASES, "bytes_sent"))}
 
 
 def _rank_loads(layer, group, world):
@@ -83,13 +114,42 @@ def _rank_loads(layer, group, world):
     return every.tolist()
 
 
+def _timed(row, call, config, group, device, rank):
+    """Time ``call`` into ``row["ms"]``; a failure becomes ``row["error"]`` (a row that says why, not a lost run)."""
+    try:
+        row["ms"] = _median_time(call, config["iters"], config["warmup"], group, device) * 1e3
+    except Exception as err:  # noqa: BLE001
+        row["error"] = f"{type(err).__name__}: {err}"[:300]
+        if rank == 0:
+            print(f"{row}", file=sys.stderr)
+
+
+def _baseline_rows(config, w13, w2, x, weights, ids, base, graphs, device):
+    """The one-GPU baseline (rank 0 alone): LoRAExperts over all E experts, no process group."""
+    import moelab
+
+    E, K = config["num_experts"], config["top_k"]
+    single = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend=config["backend"])
+    rows = []
+    for variant in ("eager", "graph") if graphs else ("eager",):
+        row = dict(base, gpus=1, mode="LoRAExperts", placement="all", variant=variant)
+        call = lambda: single(x, weights, ids, validate=False)  # noqa: E731
+        try:
+            _timed(row, _graphed(call, device) if variant == "graph" else call, config, None, device, 0)
+        except Exception as err:  # noqa: BLE001 - the capture itself failed
+            row["error"] = f"capture: {type(err).__name__}: {err}"[:300]
+        rows.append(row)
+    return rows
+
+
 def run_rank(rank: int, world_size: int, config: dict) -> list[dict]:
     """One rank's share of the benchmark (called by :func:`moelab.distributed.spawn_ranks`); rank 0 returns the
-    rows. ``config``: shape (num_experts, top_k, hidden_size, intermediate_size), tokens, modes, iters, warmup,
-    skew, redundant, dtype, backend, device ("cpu" or "cuda")."""
+    rows. ``config``: shape (num_experts, top_k, hidden_size, intermediate_size), tokens, skews, modes, iters,
+    warmup, redundant, dtype, backend, device ("cpu" or "cuda"), capacity (bool: also the static-capacity
+    variant), graphs (bool: also CUDA-graph replays, on GPUs)."""
     import torch.distributed as dist
 
-    from moelab.distributed import ExpertParallelMoE, default_expert_map, rebalance_experts
+    from moelab.distributed import ExpertParallelMoE, rebalance_experts
 
     device = torch.device(f"cuda:{rank}" if config["device"] == "cuda" else "cpu")
     dtype = getattr(torch, config["dtype"])
@@ -97,61 +157,74 @@ def run_rank(rank: int, world_size: int, config: dict) -> list[dict]:
     g = torch.Generator().manual_seed(0)  # the same experts on every rank
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(device, dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device, dtype)
+    graphs = bool(config.get("graphs")) and device.type == "cuda"
+    variants = ["dynamic"] + (["static"] if config.get("capacity") else []) + \
+               (["graph"] if graphs and config.get("capacity") else [])
+    group, R = dist.group.WORLD, world_size
     rows = []
-    sizes = sorted({1, world_size})
-    groups = {w: dist.new_group(list(range(w))) for w in sizes}  # every rank creates every group
-    for w in sizes:
-        if rank < w:
-            group = groups[w]
-            for T in config["tokens"]:
-                tg = torch.Generator().manual_seed(1 + rank)
-                x = torch.randn(T, H, generator=tg).to(device, dtype)
-                weights, ids = _routing(T, E, K, config["skew"], tg, device)
-                for mode in config["modes"]:
-                    row = dict(gpus=w, mode=mode, T=T)
-                    block = slice(rank * E // w, (rank + 1) * E // w)
-                    layer = ExpertParallelMoE(w13[block], w2[block], num_experts=E, top_k=K, group=group,
-                                              dispatch=mode, backend=config["backend"])
-                    row["ms"], split = _time_layer(layer, (x, weights, ids), config["iters"], config["warmup"], group)
-                    row["ms"] *= 1e3
-                    row.update({f"{p}_ms": v * 1e3 for p, v in split.items()})
-                    row["comm_ms"] = sum(split[p] for p in COMM_PHASES) * 1e3
-                    row["tokens_per_s"] = w * T / (row["ms"] / 1e3)
-                    if w > 1:  # load balance: default placement vs EPLB with redundant copies
-                        layer.reset_load()
-                        layer(x, weights, ids, validate=False)
-                        loads = _rank_loads(layer, group, w)
-                        row["imbalance"] = max(loads) * w / max(sum(loads), 1)
-                        P = E + config["redundant"] * w
-                        start_map = default_expert_map(E, P)
-                        P_local = P // w
-                        mine = start_map[rank * P_local:(rank + 1) * P_local].to(device)
-                        eplb = ExpertParallelMoE(w13[mine], w2[mine], num_experts=E, top_k=K, group=group,
-                                                 dispatch=mode, backend=config["backend"], expert_map=start_map)
-                        logical = torch.bincount(ids.flatten(), minlength=E).to(torch.int64)
-                        dist.all_reduce(logical, group=group)
-                        eplb.rebalance(rebalance_experts(logical[None].cpu(), P, 1, 1, w)[0][0])
-                        eplb.reset_load()
-                        eplb(x, weights, ids, validate=False)
-                        loads = _rank_loads(eplb, group, w)
-                        row["imbalance_eplb"] = max(loads) * w / max(sum(loads), 1)
-                        ms, _ = _time_layer(eplb, (x, weights, ids), config["iters"], config["warmup"], group)
-                        row["ms_eplb"] = ms * 1e3
-                    rows.append(row)
-        dist.barrier()
+    for skew in config["skews"]:
+        for T in config["tokens"]:
+            tg = torch.Generator().manual_seed(1 + rank)
+            x = torch.randn(T, H, generator=tg).to(device, dtype)
+            weights, ids = _routing(T, E, K, skew, tg, device)
+            base = dict(skew=skew, T=T)
+            if rank == 0:
+                rows += _baseline_rows(config, w13, w2, x, weights, ids, base, graphs, device)
+            logical = torch.zeros(E, dtype=torch.int64, device=device)
+            logical.scatter_add_(0, ids.flatten().long(), torch.ones(ids.numel(), dtype=torch.int64, device=device))
+            dist.all_reduce(logical, group=group)
+            placements = {"contiguous": (torch.arange(E), E // R)}
+            if R > 1 and config["redundant"] > 0:
+                P = E + config["redundant"] * R
+                placements["eplb"] = (rebalance_experts(logical[None].cpu(), P, 1, 1, R)[0][0], P // R)
+            for mode in config["modes"]:
+                for placement, (expert_map, P_local) in placements.items():
+                    mine = expert_map[rank * P_local:(rank + 1) * P_local].to(device)
+                    for variant in variants:
+                        row = dict(base, gpus=R, mode=mode, placement=placement, variant=variant)
+                        layer = ExpertParallelMoE(w13[mine], w2[mine], num_experts=E, top_k=K, group=group,
+                                                  dispatch=mode, backend=config["backend"], expert_map=expert_map,
+                                                  max_tokens_per_rank=None if variant == "dynamic" else T)
+                        call = lambda layer=layer, a=(x, weights, ids): layer(*a, validate=False)  # noqa: E731
+                        if variant == "graph":
+                            try:
+                                call = _graphed(call, device)
+                            except Exception as err:  # noqa: BLE001
+                                row["error"] = f"capture: {type(err).__name__}: {err}"[:300]
+                        if "error" not in row:
+                            _timed(row, call, config, group, device, rank)
+                        if "error" not in row and variant != "graph":
+                            split = _split(layer, (x, weights, ids), max(1, min(3, config["iters"])), group)
+                            row.update({f"{p}_ms": split[p] * 1e3 for p in PHASES})
+                            row["comm_ms"] = sum(split[p] for p in COMM_PHASES) * 1e3
+                            row["bytes_sent"] = int(split["bytes_sent"])
+                            row["comm_GBps"] = split["bytes_sent"] / max(row["comm_ms"] * 1e6, 1e-30)
+                            layer.reset_load()
+                            layer(x, weights, ids, validate=False)
+                            loads = _rank_loads(layer, group, R)
+                            row["imbalance"] = max(loads) * R / max(sum(loads), 1)
+                        rows.append(row)
+                        del layer, call
+            dist.barrier()
     if rank:
         return []
-    one = {(r["mode"], r["T"]): r["tokens_per_s"] for r in rows if r["gpus"] == 1}
+    best = {}
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / one[(r["mode"], r["T"])]
+        if r["gpus"] == 1 and "ms" in r:
+            key = (r["skew"], r["T"])
+            best[key] = max(best.get(key, 0.0), r["T"] / (r["ms"] / 1e3))
+    for r in rows:
+        if "ms" in r:
+            r["tokens_per_s"] = r["gpus"] * r["T"] / (r["ms"] / 1e3)
+            r["speedup"] = r["tokens_per_s"] / best[(r["skew"], r["T"])] if (r["skew"], r["T"]) in best else None
     return rows
 
 
 def _table(rows):
     from moelab.lab import markdown_table
 
-    keys = ["gpus", "mode", "T", "ms", "comm_ms", "experts_ms", "route_ms", "tokens_per_s", "speedup", "imbalance",
-            "imbalance_eplb", "ms_eplb"]
+    keys = ["skew", "T", "gpus", "mode", "placement", "variant", "ms", "tokens_per_s", "speedup", "imbalance",
+            "comm_ms", "wait_ms", "experts_ms", "route_ms", "bytes_sent", "comm_GBps", "error"]
     return markdown_table([{k: r.get(k, "") for k in keys} for r in rows])
 
 
@@ -162,7 +235,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["all_to_all", "allgather_reducescatter"])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the routing bias (0: uniform)")
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 1.0],
+                        help="Zipf exponents of the routing bias (0: uniform)")
+    parser.add_argument("--no-capacity", action="store_true", help="skip the static-capacity and graph variants")
     parser.add_argument("--redundant", type=int, default=1, help="EPLB: redundant expert copies per GPU")
     parser.add_argument("--backend", default="auto", help="moelab compute backend on each rank")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU processes (gloo), fp32, torch")
@@ -183,11 +258,12 @@ def main(argv=None) -> int:
         config = dict(QWEN3_30B_A3B, tokens=args.tokens or [4096, 16384], dtype="bfloat16", backend=args.backend,
                       device="cuda")
         env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    config.update(modes=args.modes, iters=args.iters, warmup=args.warmup, skew=args.skew, redundant=args.redundant)
+    config.update(modes=args.modes, iters=args.iters, warmup=args.warmup, skews=args.skews, redundant=args.redundant,
+                  capacity=not args.no_capacity, graphs=not args.no_capacity)
     rows = spawn_ranks(run_rank, args.gpus, config, device=config["device"], timeout=args.timeout, env=env)[0]
     device = torch.cuda.get_device_name() if config["device"] == "cuda" else "CPU (gloo)"
     print(f"ExpertParallelMoE, E={config['num_experts']} K={config['top_k']} H={config['hidden_size']} "
-          f"I={config['intermediate_size']} {config['dtype']}, skew {args.skew}, on {device}, "
+          f"I={config['intermediate_size']} {config['dtype']}, on {device}, "
           f"torch {torch.__version__}")
     print(_table(rows))
     if args.json:

@@ -112,7 +112,7 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, num_experts: int, top_k: int,
                  lora: moelab.LoRABank | None = None, group=None, dispatch: str = "all_to_all",
-                 backend: str = "auto", expert_map=None):
+                 backend: str = "auto", expert_map=None, max_tokens_per_rank: int | None = None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialized; call "
@@ -122,12 +122,17 @@ class ExpertParallelMoE(nn.Module):
         error = None
         try:  # local checks first; the collective check below makes every rank raise if any rank failed
             self._setup(w13, w2, num_experts, top_k, lora, dispatch, backend, expert_map)
+            self.max_tokens_per_rank = (None if max_tokens_per_rank is None else
+                                        check_int("max_tokens_per_rank", max_tokens_per_rank, low=1))
         except Exception as err:  # any local failure: every rank must learn of it, or the others would hang
             error = err
-        self._agree_or_raise(error, w13, w2, num_experts, top_k, lora, dispatch, expert_map)
+        self._agree_or_raise(error, w13, w2, num_experts, top_k, lora, dispatch, expert_map,
+                             capacity=max_tokens_per_rank)
         self.reset_load()
         #: None, or a dict the forward adds seconds per phase to: "route", "exchange" (the header all_gather),
-        #: "dispatch", "experts", "combine" (communication: exchange + dispatch + the combine's collective).
+        #: "wait" (for the slowest rank, before each collective), "dispatch", "experts", "combine"
+        #: (communication: exchange + dispatch + the combine's collective), and "bytes_sent" (bytes this rank
+        #: sent to other ranks in dispatch and combine).
         self.timings: dict[str, float] | None = None
         self._last_mark = 0.0
 
@@ -161,8 +166,14 @@ class ExpertParallelMoE(nn.Module):
         self.lora = lora
         table, count = replica_maps(self.metadata.expert_map, self.metadata.num_logical_experts)
         self.logical_to_physical_map, self.logical_replica_count = table.to(w13.device), count.to(w13.device)
+        self._one_copy_each = bool((count == 1).all())  # host-side: no replica choice to make per slot
+        P, P_local, K, rank = self.metadata.num_physical_experts, P_local, self.top_k, self.rank
+        others = [p for p in range(P) if p // P_local != rank]
+        #: int64 [K]: distinct physical ids a padding row uses on this rank: another rank's when there are enough
+        #: (then a padding row costs no compute here); made once, as a capture may not copy from the host.
+        self._idle_ids = torch.tensor(others[:K] if len(others) >= K else list(range(K)), device=w13.device)
 
-    def _signature(self, w13, w2, num_experts, top_k, lora, dispatch, expert_map) -> list[int]:
+    def _signature(self, w13, w2, num_experts, top_k, lora, dispatch, expert_map, capacity) -> list[int]:
         """What every rank must agree on, as ints (the map as a position-weighted checksum)."""
         shape = list(w13.shape) if isinstance(w13, torch.Tensor) and w13.dim() == 3 else [-1, -1, -1]
         w2_shape = list(w2.shape) if isinstance(w2, torch.Tensor) and w2.dim() == 3 else [-1, -1, -1]
@@ -177,10 +188,11 @@ class ExpertParallelMoE(nn.Module):
         slots = lora.max_loras if isinstance(lora, moelab.LoRABank) else 0
         return [*shape, *w2_shape, int(num_experts) if isinstance(num_experts, int) else -1,
                 int(top_k) if isinstance(top_k, int) else -1, DISPATCH_MODES.index(dispatch)
-                if dispatch in DISPATCH_MODES else -1, checksum, slots]
+                if dispatch in DISPATCH_MODES else -1, checksum, slots,
+                capacity if isinstance(capacity, int) else -1]
 
-    def _agree_or_raise(self, error, w13, w2, num_experts, top_k, lora, dispatch, expert_map):
-        signature = self._signature(w13, w2, num_experts, top_k, lora, dispatch, expert_map)
+    def _agree_or_raise(self, error, w13, w2, num_experts, top_k, lora, dispatch, expert_map, capacity=None):
+        signature = self._signature(w13, w2, num_experts, top_k, lora, dispatch, expert_map, capacity)
         device = w13.device if isinstance(w13, torch.Tensor) else torch.device("cpu")
         mine = torch.tensor([int(error is not None), *signature], dtype=torch.int64, device=device)
         every = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=device)
@@ -195,7 +207,7 @@ class ExpertParallelMoE(nn.Module):
         differ = (every[:, 1:] != every[0, 1:]).any(dim=1).nonzero().flatten().tolist()
         if differ:
             names = ["P_local", "2I", "H", "w2.P_local", "w2.H", "w2.I", "num_experts", "top_k", "dispatch",
-                     "expert_map", "lora.max_loras"]
+                     "expert_map", "lora.max_loras", "max_tokens_per_rank"]
             fields = [names[i] for i in (every[:, 1:] != every[0, 1:]).any(dim=0).nonzero().flatten().tolist()]
             raise ValueError(f"ExpertParallelMoE: every rank must pass the same {', '.join(fields)}; ranks {differ} "
                              f"differ from rank 0")
@@ -239,7 +251,8 @@ class ExpertParallelMoE(nn.Module):
                                        ep_size=R)
         except Exception as err:
             error, new_map = err, None
-        self._agree_or_raise(error, self.w13, self.w2, E, self.top_k, self.lora, self.dispatch, expert_map)
+        self._agree_or_raise(error, self.w13, self.w2, E, self.top_k, self.lora, self.dispatch, expert_map,
+                             capacity=self.max_tokens_per_rank)
         old_map = self.metadata.expert_map
         first_copy = torch.full((E,), -1, dtype=torch.int64)
         first_copy.scatter_reduce_(0, old_map, torch.arange(old_map.numel()), "amin", include_self=False)
@@ -288,6 +301,18 @@ class ExpertParallelMoE(nn.Module):
             self.timings[phase] = self.timings.get(phase, 0.0) + now - self._last_mark
         self._last_mark = now
 
+    def _before_collective(self, phase: str) -> None:
+        """Close ``phase``; with ``timings`` on, wait at a barrier for every rank and book that as "wait", so the
+        collective's own time is transfer, not the slowest rank's compute."""
+        self._mark(phase)
+        if self.timings is not None:
+            dist.barrier(group=self.group)
+            self._mark("wait")
+
+    def _count_bytes(self, n: int) -> None:
+        if self.timings is not None:
+            self.timings["bytes_sent"] = self.timings.get("bytes_sent", 0) + int(n)
+
     def _expert_major(self) -> list[torch.Tensor]:
         """Everything a local expert owns, indexed by local expert in dim 0: w13 [P_local, 2I, H], w2, then the
         bank's six tensors as [P_local, L, ...] (copies)."""
@@ -298,10 +323,13 @@ class ExpertParallelMoE(nn.Module):
 
     def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """int64 [T, K]: the physical copy each slot of logical ``topk_ids`` [T, K] uses on this rank (copy
-        ``(i + rank) % count[e]`` for the i-th slot of logical expert e, counting in slot order)."""
+        ``(i + rank) % count[e]`` for the i-th slot of logical expert e, counting in slot order). No host sync."""
         flat = topk_ids.reshape(-1).long()
+        if self._one_copy_each:
+            return self.logical_to_physical_map[flat, 0].reshape(topk_ids.shape)
         order = torch.sort(flat, stable=True).indices
-        per_expert = torch.bincount(flat, minlength=self.num_logical_experts)
+        per_expert = torch.zeros(self.num_logical_experts, dtype=torch.int64, device=flat.device)
+        per_expert.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
         first = torch.cumsum(per_expert, 0) - per_expert
         occurrence = torch.empty_like(flat)
         occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
@@ -354,14 +382,22 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora_ids: torch.Tensor | None = None, *, validate: bool = True) -> torch.Tensor:
+        capturing = self.w13.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and self.max_tokens_per_rank is None:
+            # every rank raises here, before any collective: nobody is left waiting
+            raise RuntimeError("ExpertParallelMoE: this layer cannot be captured in a CUDA graph: without "
+                               "max_tokens_per_rank each call exchanges its split sizes through the host, which "
+                               "capture forbids; build it with max_tokens_per_rank=C (a fixed per-rank token "
+                               "capacity: padded buffers, equal splits, no host sync) to capture it")
+        if self.max_tokens_per_rank is not None:
+            return self._static_forward(hidden_states, topk_weights, topk_ids, lora_ids, validate and not capturing)
         R, device = self.world_size, self.w13.device
         error, physical, token_ranks = None, None, None
         self._mark(None)
         try:
             self._check_call(hidden_states, topk_weights, topk_ids, lora_ids, validate)
             physical = self.physical_ids(topk_ids)
-            token_ranks = torch.zeros(topk_ids.shape[0], R, dtype=torch.bool, device=device)
-            token_ranks.scatter_(1, physical // self.num_local_physical_experts, True)
+            token_ranks = self._token_ranks(physical)
             send_counts = token_ranks.sum(0)
         except Exception as err:  # any local failure: every rank must learn of it, or the others would hang
             error, send_counts = err, torch.zeros(R, dtype=torch.int64, device=device)
@@ -369,9 +405,9 @@ class ExpertParallelMoE(nn.Module):
         header = torch.cat([torch.tensor([T, int(error is not None), int(lora_ids is not None)], device=device),
                             send_counts.to(torch.int64)])
         every = torch.empty(R * header.numel(), dtype=torch.int64, device=device)
-        self._mark("route")
+        self._before_collective("route")
         _all_gather(every, header, self.group)
-        every = every.view(R, -1).cpu()
+        every = every.view(R, -1).cpu()  # the call's one host sync: the split sizes
         self._mark("exchange")
         if error is not None:
             _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
@@ -382,35 +418,81 @@ class ExpertParallelMoE(nn.Module):
         with_lora = bool(every[:, 2].any())
         if with_lora and lora_ids is None:
             lora_ids = torch.full((T,), -1, dtype=torch.int64, device=device)
-        routing = torch.cat([physical, lora_ids.long()[:, None]], 1) if with_lora else physical
+        meta = self._pack(topk_weights, physical, lora_ids if with_lora else None)
         if self.dispatch == "all_to_all":
-            return self._all_to_all(hidden_states, topk_weights, routing, token_ranks, every[:, 3:], with_lora)
-        return self._allgather_reducescatter(hidden_states, topk_weights, routing, every[:, 0], with_lora)
+            return self._all_to_all(hidden_states, meta, token_ranks, every[:, 3:], with_lora)
+        return self._allgather_reducescatter(hidden_states, meta, every[:, 0].tolist(), with_lora)
 
-    def _local_experts(self, x, weights, routing, with_lora):
-        """This rank's partial sums [N, H] for N tokens; ``routing`` int64 [N, K (+1: lora id)]."""
-        K = self.top_k
-        ids = routing[:, :K]
-        local = ids - self.rank * self.num_local_physical_experts
-        live = (local >= 0) & (local < self.num_local_physical_experts)
-        self.physical_load += torch.bincount(local[live], minlength=self.num_local_physical_experts)
+    # ------------------------------------------------------------------------------------------ pieces
+
+    def _token_ranks(self, physical: torch.Tensor) -> torch.Tensor:
+        """bool [T, R]: whether token t has a slot on rank r."""
+        token_ranks = torch.zeros(physical.shape[0], self.world_size, dtype=torch.bool, device=physical.device)
+        return token_ranks.scatter_(1, physical // self.num_local_physical_experts, True)
+
+    def _pack(self, weights, physical, lora_ids) -> torch.Tensor:
+        """int32 [T, 2K (+1)]: the fp32 routing weights' bits, the physical ids (and the adapter id), so that one
+        collective carries a token's routing."""
+        cols = [weights.float().contiguous().view(torch.int32), physical.to(torch.int32)]
+        if lora_ids is not None:
+            cols.append(lora_ids.to(torch.int32)[:, None])
+        return torch.cat(cols, 1)
+
+    def _meta_width(self, with_lora: bool) -> int:
+        return 2 * self.top_k + int(with_lora)
+
+    def _pad_rows(self, n: int, with_lora: bool, device) -> torch.Tensor:
+        """int32 [n, 2K (+1)]: padding rows: weight 0, expert id -1 (replaced by idle ids before computing), no
+        adapter. They are never added into a real token's output."""
+        pad = torch.full((n, self._meta_width(with_lora)), -1, dtype=torch.int32, device=device)
+        pad[:, :self.top_k] = 0  # +0.0's bits
+        return pad
+
+    def _local_experts(self, x, meta, with_lora):
+        """This rank's partial sums [N, H] for N rows; ``meta`` int32 [N, 2K (+1)] as :meth:`_pack` makes it
+        (padding rows: expert ids -1)."""
+        K, P_local = self.top_k, self.num_local_physical_experts
+        weights = meta[:, :K].contiguous().view(torch.float32)
+        ids = meta[:, K:2 * K].long()
+        local = ids - self.rank * P_local
+        live = (local >= 0) & (local < P_local)
+        self.physical_load.scatter_add_(0, local.clamp(0, P_local - 1).flatten(), live.flatten().long())
         if x.shape[0] == 0:
             return x.new_empty(0, x.shape[1])
-        return self.experts(x, weights, ids, routing[:, K] if with_lora else None, validate=False)
+        ids = torch.where(ids >= 0, ids, self._idle_ids)
+        lora_ids = meta[:, 2 * K].long() if with_lora else None
+        return self.experts(x, weights, ids, lora_ids, has_lora=True if with_lora else None, validate=False)
 
-    def _all_to_all(self, x, weights, routing, token_ranks, counts, with_lora):
+    def _dest_order(self, token_ranks, total: int) -> torch.Tensor:
+        """int64 [total]: the token of each row sent, ordered by destination rank, then token (no host sync)."""
+        T, R = token_ranks.shape
+        flat = token_ranks.T.reshape(-1)
+        slot = torch.where(flat, torch.cumsum(flat, 0) - 1, total)  # non-sent pairs land in a discarded last slot
+        token = torch.empty(total + 1, dtype=torch.int64, device=token_ranks.device)
+        token.scatter_(0, slot, torch.arange(T, device=token_ranks.device).repeat(R))
+        return token[:total]
+
+    def _row_bytes(self, x, with_lora) -> int:
+        return x.shape[1] * x.element_size() + 4 * self._meta_width(with_lora)
+
+    def _all_to_all(self, x, meta, token_ranks, counts, with_lora):
+        R = self.world_size
         send_counts, recv_counts = counts[self.rank].tolist(), counts[:, self.rank].tolist()
-        dest, token = token_ranks.T.nonzero(as_tuple=True)  # sorted by destination rank, then token
-        sends = [x[token], weights[token], routing[token]]
-        received = [t.new_empty(sum(recv_counts), *t.shape[1:]) for t in sends]
-        for out, inp in zip(received, sends):
-            dist.all_to_all_single(out, inp.contiguous(), recv_counts, send_counts, group=self.group)
+        token = self._dest_order(token_ranks, sum(send_counts))
+        x_recv = x.new_empty(sum(recv_counts), x.shape[1])
+        meta_recv = meta.new_empty(sum(recv_counts), meta.shape[1])
+        x_send, meta_send = x[token], meta[token]
+        self._before_collective("route")
+        dist.all_to_all_single(x_recv, x_send, recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(meta_recv, meta_send, recv_counts, send_counts, group=self.group)
         self._mark("dispatch")
-        partial = self._local_experts(*received, with_lora)
-        self._mark("experts")
+        self._count_bytes(sum(send_counts[d] * self._row_bytes(x, with_lora) for d in range(R) if d != self.rank))
+        partial = self._local_experts(x_recv, meta_recv, with_lora)
         back = partial.new_empty(len(token), x.shape[1])
-        dist.all_to_all_single(back, partial.contiguous(), send_counts, recv_counts, group=self.group)
+        self._before_collective("experts")
+        dist.all_to_all_single(back, partial, send_counts, recv_counts, group=self.group)
         self._mark("combine")
+        self._count_bytes(sum(recv_counts[d] * x.shape[1] * x.element_size() for d in range(R) if d != self.rank))
         total = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         start = 0
         for n in send_counts:  # rank by rank: no token twice in one index_add_, so the order is fixed
@@ -420,26 +502,105 @@ class ExpertParallelMoE(nn.Module):
         self._mark("experts")  # the owner's sum of the partials is compute
         return total
 
-    def _allgather_reducescatter(self, x, weights, routing, token_counts, with_lora):
-        R, T, T_max = self.world_size, x.shape[0], int(token_counts.max())
+    def _allgather_reducescatter(self, x, meta, token_counts, with_lora):
+        T, T_max = x.shape[0], max(token_counts)
         if T_max == 0:
             return x.new_empty(0, x.shape[1])
+        if T < T_max:  # padding rows (weight 0, idle experts) up to the largest rank's T
+            x = torch.cat([x, x.new_zeros(T_max - T, x.shape[1])])
+            meta = torch.cat([meta, self._pad_rows(T_max - T, with_lora, x.device)])
+        out = self._gather_compute_scatter(x, meta, with_lora)
+        return out[:T]
 
-        def gather(t):
-            padded = t.new_zeros(T_max, *t.shape[1:])
-            padded[:T] = t
-            out = t.new_empty(R * T_max, *t.shape[1:])
-            _all_gather(out, padded, self.group)
-            return out
-
-        real = torch.cat([torch.arange(r * T_max, r * T_max + int(n)) for r, n in enumerate(token_counts)])
-        real = real.to(x.device)
-        gathered = [gather(t)[real] for t in (x, weights, routing)]
+    def _gather_compute_scatter(self, x, meta, with_lora):
+        """all_gather C rows per rank, partial sums of this rank's experts over all R * C, reduce_scatter: [C, H]."""
+        R, C = self.world_size, x.shape[0]
+        x_all = x.new_empty(R * C, x.shape[1])
+        meta_all = meta.new_empty(R * C, meta.shape[1])
+        self._before_collective("route")
+        _all_gather(x_all, x, self.group)
+        _all_gather(meta_all, meta, self.group)
         self._mark("dispatch")
-        partial = x.new_zeros(R * T_max, x.shape[1])
-        partial[real] = self._local_experts(*gathered, with_lora)
-        self._mark("experts")
-        out = x.new_empty(T_max, x.shape[1])
+        self._count_bytes((R - 1) * C * self._row_bytes(x, with_lora))
+        partial = self._local_experts(x_all, meta_all, with_lora)
+        out = x.new_empty(C, x.shape[1])
+        self._before_collective("experts")
         _reduce_scatter(out, partial, self.group)
         self._mark("combine")
-        return out[:T]
+        self._count_bytes((R - 1) * C * x.shape[1] * x.element_size())
+        return out
+
+    # ------------------------------------------------------------------------------------------ static capacity
+
+    def _static_forward(self, hidden_states, topk_weights, topk_ids, lora_ids, validate):
+        """Fixed per-rank capacity C = ``max_tokens_per_rank``: every collective has sizes known at construction
+        (C rows per rank pair), nothing reads the device from the host: CUDA-graph capturable."""
+        error = None
+        self._mark(None)
+        try:
+            self._check_call(hidden_states, topk_weights, topk_ids, lora_ids, validate)
+            if hidden_states.shape[0] > self.max_tokens_per_rank:
+                raise ValueError(f"hidden_states: expected at most max_tokens_per_rank = {self.max_tokens_per_rank} "
+                                 f"tokens, got {hidden_states.shape[0]}; build the layer with a larger capacity or "
+                                 f"split the batch")
+        except Exception as err:
+            error = err
+        if validate:  # eager: every rank learns whether any rank's input was bad (one host sync)
+            flags = torch.zeros(self.world_size, dtype=torch.int64, device=self.w13.device)
+            _all_gather(flags, torch.tensor([int(error is not None)], device=self.w13.device), self.group)
+            flags = flags.cpu()
+            if error is not None:
+                _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
+            failed = flags.nonzero().flatten().tolist()
+            if failed:
+                raise ValueError(f"ExpertParallelMoE: rank(s) {failed} rejected their input (their error says "
+                                 f"why); no rank ran the layer")
+        elif error is not None:  # take part with no tokens (the others must not wait), then raise here only
+            H, K, device = self.w13.shape[2], self.top_k, self.w13.device
+            self._static_call(self.w13.new_zeros(0, H), torch.zeros(0, K, device=device),
+                              torch.zeros(0, K, dtype=torch.int64, device=device), None)
+            _reraise(error, f"(rank {self.rank}; the other ranks finished the call without this rank's tokens)")
+        return self._static_call(hidden_states, topk_weights, topk_ids, lora_ids)
+
+    def _static_call(self, x, topk_weights, topk_ids, lora_ids):
+        C, T, H, R = self.max_tokens_per_rank, x.shape[0], x.shape[1], self.world_size
+        with_lora = self.lora is not None
+        if with_lora and lora_ids is None:
+            lora_ids = torch.full((T,), -1, dtype=torch.int64, device=x.device)
+        physical = self.physical_ids(topk_ids)
+        meta = self._pack(topk_weights, physical, lora_ids if with_lora else None)
+        if self.dispatch == "allgather_reducescatter":
+            x_pad = x.new_zeros(C, H)
+            x_pad[:T] = x
+            meta_pad = self._pad_rows(C, with_lora, x.device)
+            meta_pad[:T] = meta
+            return self._gather_compute_scatter(x_pad, meta_pad, with_lora)[:T]
+        # all_to_all with equal splits: C rows to each rank (row j of block d: the j-th token needing rank d)
+        token_ranks = self._token_ranks(physical)  # [T, R]
+        pos = torch.cumsum(token_ranks, 0) - 1  # [T, R]: the row of token t in block d
+        slot = torch.where(token_ranks, pos, C) + torch.arange(R, device=x.device) * (C + 1)  # C: a discarded row
+        x_send = x.new_zeros(R * (C + 1), H)
+        x_send[slot.flatten()] = x.repeat_interleave(R, dim=0)
+        meta_send = self._pad_rows(R * (C + 1), with_lora, x.device)
+        meta_send[slot.flatten()] = meta.repeat_interleave(R, dim=0)
+        x_send = x_send.view(R, C + 1, H)[:, :C].reshape(R * C, H)
+        meta_send = meta_send.view(R, C + 1, -1)[:, :C].reshape(R * C, -1)
+        x_recv, meta_recv = torch.empty_like(x_send), torch.empty_like(meta_send)
+        self._before_collective("route")
+        dist.all_to_all_single(x_recv, x_send, group=self.group)
+        dist.all_to_all_single(meta_recv, meta_send, group=self.group)
+        self._mark("dispatch")
+        self._count_bytes((R - 1) * C * self._row_bytes(x, with_lora))
+        partial = self._local_experts(x_recv, meta_recv, with_lora)
+        back = torch.empty_like(partial)
+        self._before_collective("experts")
+        dist.all_to_all_single(back, partial, group=self.group)
+        self._mark("combine")
+        self._count_bytes((R - 1) * C * H * x.element_size())
+        total = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        rows = torch.where(token_ranks, pos, 0)  # [T, R]
+        for d in range(R):  # rank by rank, as the dynamic all_to_all adds them
+            total += torch.where(token_ranks[:, d:d + 1], back[d * C + rows[:, d]].float(), 0.0)
+        total = total.to(x.dtype)
+        self._mark("experts")
+        return total
