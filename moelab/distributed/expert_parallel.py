@@ -8,6 +8,7 @@ layer on its own tokens; each gets its tokens' finished outputs. Per call:
        the copies, and the ranks start at different copies);
     2. one all_gather of a small int header per rank (token count, input-error flag, adapter flag, tokens sent
        to each rank): every rank learns every split size, and every rank raises when any rank's input is bad;
+       reading it is the call's one host sync (routing, dispatch order and load counting run on the device);
     3. dispatch, compute, combine, by ``dispatch``:
        "all_to_all"              all_to_all_single with split sizes: a token goes once to each rank that holds
                                  one of its experts (with its top-k row), that rank returns its partial sum over
@@ -16,6 +17,25 @@ layer on its own tokens; each gets its tokens' finished outputs. Per call:
                                  partial sums of its experts for all tokens (moelab's ``local_expert_offset``
                                  contract), reduce_scatter sums them back to their owners (in the input dtype);
     4. the partial sums are :class:`moelab.LoRAExperts` over the local window of physical ids, LoRA included.
+
+A token's routing travels as one int32 row (its fp32 weights' bits, physical ids, adapter id): two collectives
+dispatch (hidden states, routing), one combines.
+
+CUDA graphs. NCCL collectives can be captured when their sizes are fixed; all_to_all with split sizes that depend
+on the routing cannot (the sizes must reach the host first). So:
+
+    max_tokens_per_rank=None   (default) "dynamic": split sizes exchanged per call, no padding; not capturable:
+                               a call under capture raises RuntimeError on every rank before any collective.
+    max_tokens_per_rank=C      "static": a fixed capacity of C tokens per rank (T_r <= C; T_r still varies):
+                               allgather_reducescatter gathers C rows per rank (padded), all_to_all sends C rows
+                               to every rank (row j of block d: the j-th token that needs rank d; padded) with
+                               equal splits; nothing reads the device from the host, so the call is capturable
+                               (both modes), as a vLLM-style fixed batch size. Padding rows have weight 0 and use
+                               another rank's experts, so they cost no expert compute; they are not counted in
+                               ``physical_load``. Eager calls with ``validate=True`` exchange an error flag (one
+                               host sync) so that every rank raises on bad input; under capture, or with
+                               ``validate=False``, a rank whose input fails the host-side checks takes part with
+                               no tokens and raises alone (the others' outputs are complete and correct).
 
 Tensors by name (T_r tokens on rank r, K = top_k, E logical, P physical, P_local per rank, R ranks):
 
@@ -31,8 +51,6 @@ all sit on one rank matches bit for bit when the backend's GEMM rows do not depe
 other ranks add exact zeros, or nothing); a token whose experts span ranks differs in rounding: each rank rounds its
 partial sum to the input dtype before the partials are added (in fp32 for all_to_all, in the input dtype and the
 collective's order for allgather_reducescatter).
-
-Not CUDA-graph capturable: every call exchanges its split sizes through the host.
 """
 
 from __future__ import annotations
@@ -85,6 +103,8 @@ class ExpertParallelMoE(nn.Module):
         backend: moelab's compute backend on each rank ("auto", "torch", "triton", "flashinfer").
         expert_map: int [P = R * P_local], the logical expert each physical expert holds (a row of
             :func:`moelab.distributed.rebalance_experts`' ``physical_to_logical_map``); None: the identity.
+        max_tokens_per_rank: None (split sizes per call) or C, a fixed per-rank token capacity: padded equal
+            splits, no host sync, CUDA-graph capturable (module docstring).
 
     Every rank must construct the layer with the same E, K, I, H, P_local, dispatch, map and adapter slots; the
     constructor checks that collectively and every rank raises the same error otherwise. Construction and each
