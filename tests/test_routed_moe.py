@@ -238,6 +238,7 @@ def _bad_call_cases():
     dup[1, 1] = dup[1, 0]
     big = ids.clone()
     big[0, 0] = E
+    packed = moelab.pack_topk_ids_weights(ids, w)
     return [
         # (what, callable, error, match)
         ("dtype mismatch", lambda: moelab.routed_moe((ids, w), x.bfloat16(), W(), num_experts=E, top_k=K),
@@ -267,6 +268,33 @@ def _bad_call_cases():
         ("non-contiguous output", lambda: moelab.routed_moe((ids, w), x, W(), num_experts=E, top_k=K,
                                                             output=torch.empty(H, T).t()), ValueError,
          "output.*contiguous"),
+        # packed routing without delta or output: moelab.moe checks it in one expression first (decode host time)
+        ("packed: dtype mismatch", lambda: moelab.routed_moe(packed, x.bfloat16(), W(), num_experts=E, top_k=K),
+         TypeError, "hidden_states.*dtype"),
+        ("packed: H mismatch", lambda: moelab.routed_moe(packed, x[:, :8], W(), num_experts=E, top_k=K), ValueError,
+         "hidden_states.*shape"),
+        ("packed: 3-D hidden_states", lambda: moelab.routed_moe(packed, x[None], W(), num_experts=E, top_k=K),
+         ValueError, "hidden_states.*2-D"),
+        ("packed: K columns", lambda: moelab.routed_moe(packed[:, :1], x, W(), num_experts=E, top_k=K), ValueError,
+         "topk.*shape"),
+        ("packed: T rows", lambda: moelab.routed_moe(packed[:3], x, W(), num_experts=E, top_k=K), ValueError,
+         "topk.*shape"),
+        ("packed: E > 32767", lambda: moelab.routed_moe(packed, x, W(), num_experts=40000, top_k=K), ValueError,
+         "num_experts"),
+        ("packed: E < E_local", lambda: moelab.routed_moe(packed, x, W(), num_experts=E - 1, top_k=K), ValueError,
+         "at most num_experts"),
+        ("packed: K > E", lambda: moelab.routed_moe(torch.zeros(T, E + 1, dtype=torch.int32), x, W(), num_experts=E,
+                                                    top_k=E + 1, validate=False), ValueError, "top_k"),
+        ("packed: K = 0", lambda: moelab.routed_moe(packed[:, :0], x, W(), num_experts=E, top_k=0), ValueError,
+         "top_k"),
+        ("packed: top_k float", lambda: moelab.routed_moe(packed, x, W(), num_experts=E, top_k=2.0), TypeError,
+         "top_k"),
+        ("packed: window past E", lambda: moelab.routed_moe(packed, x, W(), num_experts=E, top_k=K,
+                                                            local_expert_offset=1), ValueError, "local_expert_offset"),
+        ("packed: id == E", lambda: moelab.routed_moe(moelab.pack_topk_ids_weights(big, w, validate=False), x, W(),
+                                                      num_experts=E, top_k=K), ValueError, r"\[0, 8\)"),
+        ("packed: duplicate ids", lambda: moelab.routed_moe(moelab.pack_topk_ids_weights(dup, w, validate=False), x,
+                                                            W(), num_experts=E, top_k=K), ValueError, "distinct"),
         ("unknown backend", lambda: moelab.prepare_weights(w13, w2, backend="cutlass"), ValueError, "backend"),
         ("w2 shape", lambda: moelab.prepare_weights(w13, w2[:, :, :3], backend="torch"), ValueError, "w2.*shape"),
         ("w2 dtype", lambda: moelab.prepare_weights(w13, w2.half(), backend="torch"), TypeError, "w2.*dtype"),

@@ -18,6 +18,7 @@ While a CUDA graph is captured on Hopper or newer, the kernels are chained by pr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -106,17 +107,19 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     E_local, two_i, H = w13.shape
     I = two_i // 2
     lora_columns = math.prod(lora.bank.stacked_pads) if lora is not None else 0
-    cfg = config or choose_config(T, K, E_local, x.dtype, lora_columns, device=x.device)
-    pdl = _runtime.pdl_launch(x.device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
-    act = torch.empty(permuted_rows(T, K, num_experts, cfg.block_m, I), I, dtype=x.dtype, device=x.device)
-    gemm2_out = torch.empty(permuted_rows(T, K, num_experts, cfg.block_m, H), H, dtype=x.dtype, device=x.device)
+    device = x.device
+    cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
+                                               config)
+    pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
+    act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
+    gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
     dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
     # The GEMM grids cover the rows live data can reach (the segments' rows); FlashInfer's 128 KiB floor can make a
     # buffer taller (tiny H or I, decode): that tail is filled here instead of by thousands of do-nothing programs.
-    reach = max_live_rows(T * K, E_local, cfg.block_m)
-    for buf in (act, gemm2_out):
-        if buf.shape[0] > reach:
-            buf[reach:].fill_(dead_fill)
+    if act_rows > reach:
+        act[reach:].fill_(dead_fill)
+    if gemm2_rows > reach:
+        gemm2_out[reach:].fill_(dead_fill)
     lora_args = None  # the GEMMs' LoRA operands (moelab/kernels/fused_lora.py), by mode
     decode = lora is not None and (lora.mode == "decode" or (
         lora.mode is None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS))
@@ -125,7 +128,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
             routing, x, lora.bank, lora.lora_ids, expert_weights, num_local_experts=E_local, tile=cfg.block_m,
             local_expert_offset=local_expert_offset, pdl=pdl)
     seg = lora_args.segments if lora_args is not None else build_segments_triton(
-        routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed)
+        routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed, pdl=pdl)
     if lora is not None and lora_args is None:  # prefill: a W13 shrink launch before GEMM1, a W2 shrink after
         lora_args = fused_lora.shrink_w13_tiles(x, lora.bank, lora.lora_ids, expert_weights, seg, top_k=K,
                                                 num_local_experts=E_local, pdl=pdl)
@@ -135,12 +138,23 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     gemm2(act, w2, gemm2_out, seg, config=cfg, lora=lora_args, dead_fill=dead_fill, pdl=pdl)
     if do_finalize:
         if output is None:
-            output = torch.empty(T, H, dtype=x.dtype, device=x.device)
+            output = torch.empty(T, H, dtype=x.dtype, device=device)
         finalize_triton(output, gemm2_out, routing if packed else expert_weights, seg.slot_to_row, None,
-                        packed_weights=packed, round_weights=round_weights)
+                        packed_weights=packed, round_weights=round_weights, pdl=pdl)
     else:
         output = x.new_empty(T, 0)  # FlashInfer's placeholder when nothing is finalized
     return output, gemm2_out, seg.slot_to_row, act
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
+            device: torch.device, config: GemmConfig | None) -> tuple[GemmConfig, int, int, int]:
+    """The pipeline's host arithmetic, computed once per shape (decode calls are host-bound): the tile config
+    (``config``, else :func:`choose_config`'s), the rows of the act and gemm2 buffers (FlashInfer's sizes) and the
+    rows live data can reach."""
+    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device)
+    return (cfg, permuted_rows(T, K, num_experts, cfg.block_m, I), permuted_rows(T, K, num_experts, cfg.block_m, H),
+            max_live_rows(T * K, E_local, cfg.block_m))
 
 
 @torch.library.custom_op("moelab::triton_routed_moe", mutates_args=())

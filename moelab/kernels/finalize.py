@@ -56,11 +56,12 @@ def _finalize_kernel(
 
 def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
                     e2p: torch.Tensor, w2_delta: torch.Tensor | None, scale: float = 1.0, *,
-                    packed_weights: bool = False, round_weights: bool = False) -> torch.Tensor:
+                    packed_weights: bool = False, round_weights: bool = False, pdl: dict | None = None) -> torch.Tensor:
     """Launch :func:`_finalize_kernel` (inputs already validated by ``moelab.ops.finalize_with_w2_lora``).
 
     ``packed_weights``: ``expert_weights`` holds int32 routing words whose low halves are the bf16 weights.
-    ``round_weights``: round float ``expert_weights`` to bf16 first (the weights the packing would carry)."""
+    ``round_weights``: round float ``expert_weights`` to bf16 first (the weights the packing would carry).
+    ``pdl``: the launch options of :func:`moelab._runtime.pdl_launch` (default: asked here)."""
     T, H = output.shape
     K = expert_weights.shape[1]
     if T == 0:
@@ -77,6 +78,6 @@ def finalize_triton(output: torch.Tensor, gemm2_output: torch.Tensor, expert_wei
         stride_d_k=delta.stride(1) if w2_delta is not None else 0,
         TOP_K=K, HAS_DELTA=w2_delta is not None, HAS_SCALE=scale != 1.0, PACKED_WEIGHTS=packed_weights,
         ROUND_WEIGHTS=round_weights, BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1,
-        **_runtime.pdl_launch(output.device),
+        **(_runtime.pdl_launch(output.device) if pdl is None else pdl),
     )
     return output

@@ -21,6 +21,7 @@ Rows inside a group follow the slot (= token) order: deterministic, no atomics, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -171,42 +172,58 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
     n = values.numel()
     if n == 0 or n > MAX_CHUNK or num_groups > MAX_GROUPS:
         return None
-    rows = max_live_rows(n, num_groups, tile)
-    g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
-    chunk = next_pow2(n)
+    sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
     # One allocation for every output and the scratch (each allocation is host time at decode sizes).
-    buf = torch.empty(n + rows + rows // tile + g_bins, dtype=torch.int32, device=values.device)
-    slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, g_bins])
+    slot_to_row, row_to_slot, block_group, scratch = torch.empty(
+        total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
     return OneChunkPlan(
         Segments(slot_to_row, row_to_slot, block_group, tile, num_groups),
         dict(values_ptr=values, scratch_ptr=scratch, slot_to_row_ptr=slot_to_row, row_to_slot_ptr=row_to_slot,
              block_group_ptr=block_group, num_slots=n, offset=offset, num_groups=num_groups, num_rows=rows,
              num_blocks=rows // tile),
         dict(TILE=tile, CHUNK=chunk, G_BINS=g_bins, PACKED=packed, CB=max(1, 4096 // g_bins)),
-        # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4
-        4 if chunk > 256 else 2)
+        num_warps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_chunk_layout(n: int, num_groups: int, tile: int) -> tuple[tuple[int, ...], int, int, int, int, int]:
+    """Host arithmetic of the one-program segments of ``n`` slots, computed once per shape: the split of the one
+    int32 buffer (slot_to_row, row_to_slot, block_group, scratch) and its size, the live rows, CHUNK, G_BINS and
+    the warps."""
+    rows = max_live_rows(n, num_groups, tile)
+    g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
+    chunk = next_pow2(n)
+    sizes = (n, rows, rows // tile, g_bins)
+    # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4
+    return sizes, sum(sizes), rows, chunk, g_bins, 4 if chunk > 256 else 2
 
 
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
-                          packed: bool = False) -> Segments:
-    """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in three Triton launches.
+                          packed: bool = False, pdl: dict | None = None) -> Segments:
+    """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in one Triton launch up to
+    ``MAX_CHUNK`` slots, else three.
 
     Args:
         values: int32/int64 [N] (e.g. flattened global expert ids, ``offset`` the EP window's first id), or
             int32 packed routing words when ``packed`` (the id is ``word >> 16``).
         num_groups: G (at most ``MAX_GROUPS``, else the torch construction runs).
         tile: rows per tile (a power of two).
+        pdl: the launch options of :func:`moelab._runtime.pdl_launch` (default: asked here).
     """
     values = values.flatten()
     n = values.numel()
     if n == 0 or num_groups > MAX_GROUPS:
         ids = (values >> 16) if packed else values
         return build_segments(ids.long() - offset, num_groups, tile)
-    plan = plan_one_chunk(values, num_groups, tile, offset, packed=packed)
-    if plan is not None:
-        _segments_one_chunk_kernel[(1,)](**plan.args, **plan.meta, num_warps=plan.num_warps,
-                                         **_runtime.pdl_launch(device=values.device))
-        return plan.segments
+    if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk, positional: decode calls are host-bound)
+        sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
+        slot_to_row, row_to_slot, block_group, scratch = torch.empty(
+            total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
+        _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
+                                         num_groups, rows, sizes[2], tile, chunk, g_bins, packed,
+                                         max(1, 4096 // g_bins), num_warps=num_warps,
+                                         **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
+        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
@@ -215,9 +232,9 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     cb = max(1, 4096 // g_bins)
     scratch_size = 3 * num_chunks * g_bins + g_bins
     buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
-    slot_to_row, row_to_slot, block_group, scratch = buf.split([n, rows, rows // tile, scratch_size])
+    slot_to_row, row_to_slot, block_group, scratch = buf.split_with_sizes([n, rows, rows // tile, scratch_size])
     row_to_slot.fill_(-1)  # padding rows stay -1
-    hist, chunk_bin_start, chunk_base, seg_start = scratch.split([num_chunks * g_bins] * 3 + [g_bins])
+    hist, chunk_bin_start, chunk_base, seg_start = scratch.split_with_sizes([num_chunks * g_bins] * 3 + [g_bins])
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups,
                                           CHUNK=chunk, G_BINS=g_bins, PACKED=packed, num_warps=warps)
     _segments_scan_kernel[(1,)](hist, chunk_base, seg_start, num_chunks, num_groups,
