@@ -1,0 +1,189 @@
+"""Host time of one eager ``moelab.routed_moe`` call at decode sizes, split phase by phase (any CUDA GPU).
+
+    python scripts/host_time.py                                       # T=1, Qwen3-30B-A3B, OLMoE, Mixtral, GPT-OSS
+    python scripts/host_time.py --shape qwen3-30b-a3b --tokens 1,32 --calls 500
+
+Each shape and T: ``--calls`` back-to-back eager calls as the bench's "moelab triton" makes them (packed routing,
+``validate=False``, triton backend), after warm-up. Each call is timed with ``time.perf_counter`` and no
+synchronize: at decode sizes the GPU finishes a kernel before the host has launched the next one, so a call's wall
+time is its host time (the script prints the GPU-busy share to show it). Inside the call every Triton launch is
+timestamped (``JITFunction.run`` and the compiled launcher ``CudaLauncher.__call__``, wrapped in this process
+only), which splits the call into:
+
+    moelab      moelab's own Python: checks, host arithmetic, allocations, launcher arguments (before, between
+                and after the launches)
+    dispatch    Triton's ``kernel[grid](...)`` around the compiled launcher: argument binding, specialization,
+                cache key, launch metadata
+    launch      the compiled launcher itself (scratch allocation and ``cuLaunchKernelEx``)
+
+Medians over the calls, µs. A second pass times the same calls without the wrappers (the wrappers' own cost is
+the difference). Writes nothing; print only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import moelab
+from moelab.bench import SHAPES
+
+
+def _instrument():
+    """Wrap Triton's JIT dispatch and compiled launcher so each appends (what, name, time) to the returned list;
+    returns (events, undo)."""
+    import triton.runtime.jit as jit
+
+    events: list[tuple[str, str, float]] = []
+    clock = time.perf_counter
+    patched = []
+
+    run = jit.JITFunction.run
+
+    def timed_run(self, *args, **kwargs):
+        events.append(("jit>", self.fn.__name__, clock()))
+        out = run(self, *args, **kwargs)
+        events.append(("jit<", self.fn.__name__, clock()))
+        return out
+
+    jit.JITFunction.run = timed_run
+    patched.append((jit.JITFunction, "run", run))
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:
+        CudaLauncher = None
+    if CudaLauncher is not None:
+        call = CudaLauncher.__call__
+
+        def timed_call(self, *args, **kwargs):
+            events.append(("run>", "", clock()))
+            out = call(self, *args, **kwargs)
+            events.append(("run<", "", clock()))
+            return out
+
+        CudaLauncher.__call__ = timed_call
+        patched.append((CudaLauncher, "__call__", call))
+
+    def undo():
+        for owner, name, fn in patched:
+            setattr(owner, name, fn)
+
+    return events, undo
+
+
+def _split(events: list, start: float, end: float) -> dict:
+    """Phases of one call from its events (see the module docstring), µs; ``launches`` the kernels in order."""
+    moelab_us = dispatch_us = launch_us = 0.0
+    last = start  # end of the last Triton frame (moelab's Python runs from there to the next one)
+    depth = 0
+    names = []
+    run_start = None
+    jit_start = None
+    for what, name, t in events:
+        if what == "jit>":
+            if depth == 0:
+                moelab_us += t - last
+                jit_start = t
+            depth += 1
+            names.append(name)
+        elif what == "run>":
+            run_start = t
+            if depth == 0:  # a compiled kernel launched without Triton's JIT dispatch
+                moelab_us += t - last
+                names.append("(compiled)")
+            else:
+                dispatch_us += t - jit_start
+        elif what == "run<":
+            launch_us += t - run_start
+            if depth == 0:
+                last = t
+            else:
+                jit_start = t
+        elif what == "jit<":
+            depth -= 1
+            dispatch_us += t - jit_start
+            if depth == 0:
+                last = t
+    moelab_us += end - last
+    return {"moelab": moelab_us * 1e6, "dispatch": dispatch_us * 1e6, "launch": launch_us * 1e6,
+            "total": (end - start) * 1e6, "launches": names}
+
+
+def measure(shape: str, T: int, calls: int) -> None:
+    s = SHAPES[shape]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(s.E, 2 * s.I, s.H, device=dev, dtype=dt, generator=g) / s.H**0.5
+    w2 = torch.randn(s.E, s.H, s.I, device=dev, dtype=dt, generator=g) / s.I**0.5
+    x = torch.randn(T, s.H, device=dev, dtype=dt, generator=g)
+    ids = torch.rand(T, s.E, device=dev, generator=g).argsort(dim=1)[:, :s.K].int()
+    packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, s.K, device=dev, generator=g))
+    W = moelab.prepare_weights(w13, w2, backend="triton")
+
+    def call():
+        return moelab.routed_moe(packed, x, W, num_experts=s.E, top_k=s.K, validate=False)[0]
+
+    for _ in range(30):
+        call()
+    torch.cuda.synchronize()
+    # GPU time of one call (events around it, GPU idle before) to show the host is the bottleneck
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3)
+    plain = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call()
+        plain.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    events, undo = _instrument()
+    rows = []
+    try:
+        for _ in range(calls):
+            events.clear()
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            rows.append(_split(list(events), t0, t1))
+    finally:
+        undo()
+    torch.cuda.synchronize()
+    med = {k: statistics.median(r[k] for r in rows) for k in ("moelab", "dispatch", "launch", "total")}
+    launches = rows[0]["launches"]
+    print(f"{shape:15s} T={T:<5d} host {statistics.median(plain):7.1f} µs/call (p10 {_pct(plain, 10):.1f}, "
+          f"p90 {_pct(plain, 90):.1f}); instrumented {med['total']:.1f} = moelab {med['moelab']:.1f} + "
+          f"Triton dispatch {med['dispatch']:.1f} + launcher {med['launch']:.1f}; {len(launches)} launches "
+          f"({', '.join(n.lstrip('_') for n in launches)}); GPU, one idle call: {statistics.median(gpu):.1f} µs",
+          flush=True)
+
+
+def _pct(values: list[float], p: int) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, len(v) * p // 100)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b,olmoe,mixtral,gpt-oss-20b")
+    p.add_argument("--tokens", default="1")
+    p.add_argument("--calls", type=int, default=300)
+    a = p.parse_args()
+    print(f"moelab {moelab.__file__}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
+          f"{torch.cuda.get_device_name()}")
+    for shape in a.shape.split(","):
+        for T in (int(t) for t in a.tokens.split(",")):
+            measure(shape, T, a.calls)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
