@@ -63,7 +63,7 @@ def _graphed(call, device):
             call()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread polls events
         call()
     return graph.replay
 

@@ -33,9 +33,12 @@ on the routing cannot (the sizes must reach the host first). So:
                                (both modes), as a vLLM-style fixed batch size. Padding rows have weight 0 and use
                                another rank's experts, so they cost no expert compute; they are not counted in
                                ``physical_load``. Eager calls with ``validate=True`` exchange an error flag (one
-                               host sync) so that every rank raises on bad input; under capture, or with
-                               ``validate=False``, a rank whose input fails the host-side checks takes part with
-                               no tokens and raises alone (the others' outputs are complete and correct).
+                               host sync) so that every rank raises on bad input. Capture with
+                               ``torch.cuda.graph(g, capture_error_mode="thread_local")``: ProcessGroupNCCL's
+                               watchdog thread queries CUDA events, which global capture mode forbids. Under
+                               capture, or with ``validate=False``, a rank whose input fails the host-side checks
+                               takes part with no tokens and raises alone (the others' outputs are complete and
+                               correct).
 
 Tensors by name (T_r tokens on rank r, K = top_k, E logical, P physical, P_local per rank, R ranks):
 
