@@ -166,6 +166,26 @@ def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @jit
+def _tile_prologue(out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, N, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, USE_GDC: tl.constexpr):
+    """The start both GEMM kernels share: wait for the previous kernel (PDL), find this program's tile of the
+    [num_rows, N] output and its local expert; a tile past the live rows (expert -1) is filled with ``DEAD_FILL``
+    by the caller, which returns without reading a weight. Returns (pid_m, rows, cols, col_ok, out_ptrs, out_mask,
+    expert)."""
+    wait_for_previous_kernel(USE_GDC)
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_r + cols[None, :]
+    out_mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    expert = -1
+    if pid_m < num_live_blocks:
+        expert = tl.load(block_group_ptr + pid_m)
+    return pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert
+
+
+@jit
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
@@ -179,16 +199,8 @@ def _gemm1_swiglu_kernel(
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
-    wait_for_previous_kernel(USE_GDC)
-    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(I, BLOCK_N), GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + cols[None, :]
-    out_mask = (rows < num_rows)[:, None] & col_ok[None, :]
-    expert = -1
-    if pid_m < num_live_blocks:
-        expert = tl.load(block_group_ptr + pid_m)
+    pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
+        act_ptr, stride_act_r, block_group_ptr, num_live_blocks, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
     if expert < 0:  # past the live rows: no weights to read
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, act_ptr.dtype.element_ty), mask=out_mask)
         return
@@ -269,16 +281,8 @@ def _gemm2_kernel(
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
 ):
-    wait_for_previous_kernel(USE_GDC)
-    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(H, BLOCK_N), GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_r + cols[None, :]
-    out_mask = (rows < num_rows)[:, None] & col_ok[None, :]
-    expert = -1
-    if pid_m < num_live_blocks:
-        expert = tl.load(block_group_ptr + pid_m)
+    pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
+        out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
     if expert < 0:
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
         return
