@@ -69,7 +69,7 @@ class MoEWeights:
 
     @property
     def is_swiglu(self) -> bool:
-        """Plain SwiGLU without biases or clamp: what every backend's kernels run."""
+        """Plain SwiGLU without biases or clamp: what every backend's kernels run (flashinfer's only this)."""
         return (self.activation == "silu" and self.gated and self.swiglu_limit is None
                 and self.gemm1_bias is None and self.gemm2_bias is None)
 

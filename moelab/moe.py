@@ -41,7 +41,7 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto", 
         swiglu_limit: gated only: gate clamped to ``<= L`` and up to ``[-L, L]`` before the activation
             (``"swigluoai"`` default 7.0; DeepSeek-V4 clamps SwiGLU this way).
 
-    The torch backend runs every activation and bias; the triton and flashinfer kernels run plain SwiGLU (a
+    The torch and triton backends run every activation and bias; the flashinfer kernels run plain SwiGLU (a
     ValueError names the backend to use).
 
     Example:
@@ -128,7 +128,7 @@ def routed_moe(topk, hidden_states: torch.Tensor, weights: MoEWeights, *, num_ex
             under CUDA-graph capture and in benchmarks.
         apply_router_weight_on_input: multiply each slot's *input* by its routing weight and sum the expert
             outputs unweighted (Llama-4; vLLM's flag of the same name); the unfinalized ``expert_weights``
-            returned are then ones. Torch backend only.
+            returned are then ones. Torch and triton backends.
 
     Returns (always a list):
         finalize, no delta:  ``[output]``

@@ -4,6 +4,7 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx-before      # on the old commit
     python scripts/ptx_sm90.py build/ptx-after       # on the new one
     diff -r build/ptx-before build/ptx-after && echo identical
+    python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -42,9 +43,24 @@ VARIANTS = {
     "gemm2_lora_tiles": (GEMM2, dict(EVEN_K=True, **PREFILL, **TILES_LORA)),
     "gemm2_lora_decode": (GEMM2, dict(EVEN_K=False, USE_GDC=True, **DECODE, **DECODE_LORA)),
 }
+#: The other expert activations, biases and the router weight on the input: compiled to show they build for sm_90
+#: (a pointer argument given as its type string).
+OPTIONS = {
+    "gemm1_swigluoai_bias": (GEMM1, dict(HAS_DELTA=True, EVEN_K=True, **PREFILL, ACTIVATION="swigluoai",
+                                         SWIGLU_ALPHA=1.702, SWIGLU_LIMIT=7.0, bias_ptr="*bf16")),
+    "gemm1_gelu_on_input": (GEMM1, dict(HAS_DELTA=False, EVEN_K=True, **DECODE, ACTIVATION="gelu",
+                                        in_weight_ptr="*i32", IN_WEIGHT_PACKED=True)),
+    "gemm1_gelu_tanh_limit": (GEMM1, dict(HAS_DELTA=False, EVEN_K=True, **PREFILL, ACTIVATION="gelu_tanh",
+                                          SWIGLU_LIMIT=3.0, in_weight_ptr="*fp32")),
+    "gemm1_relu2_plain": (GEMM1, dict(HAS_DELTA=True, EVEN_K=False, **PREFILL, ACTIVATION="relu2", GATED=False,
+                                      bias_ptr="*bf16")),
+    "gemm2_bias": (GEMM2, dict(EVEN_K=True, **PREFILL, bias_ptr="*bf16")),
+}
 
 
 def arg_type(name: str, consts: dict) -> str:
+    if isinstance(consts.get(name), str) and consts[name].startswith("*"):
+        return consts[name]
     if name == "s2_ptr":
         return "*fp32" if consts.get("LORA_DECODE") else "*bf16"
     if name.endswith("_ptr"):
@@ -66,7 +82,7 @@ def compile_ptx(kernel, given: dict) -> str:
 
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    for name, (kernel, given) in VARIANTS.items():
+    for name, (kernel, given) in (VARIANTS | (OPTIONS if "--options" in sys.argv else {})).items():
         ptx = compile_ptx(kernel, {**BASE, **given})
         with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
             f.write(ptx)

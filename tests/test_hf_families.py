@@ -176,3 +176,17 @@ def test_llama4_router_weight_on_the_input():
     assert len(report) == 2 and all(r.routing == "fused (llama4)" for r in report), report
     err = rel_err(_logits(model, ids), eager)
     assert err < 1e-4, f"llama4 logits vs HF eager {err:.2e}"
+
+
+def test_triton_gpt_oss():
+    """GPT-OSS (clamped SwiGLU, biases, interleaved gate/up) on the triton backend: its kernels fuse the activation
+    and the biases, so patch_model keeps it there (the other activations: tests/test_kernel_activations.py)."""
+    family = "gpt_oss"
+    model = tiny_causal_lm(family, dtype=torch.bfloat16)
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    eager = _logits(model, ids)
+    patched = copy.deepcopy(model)
+    report = moelab.patch_model(patched, backend="triton")
+    assert report and all(r.backend == "triton" for r in report)
+    err = rel_err(_logits(patched, ids), eager)
+    assert err < 3e-2, f"{family}: bf16 triton logits vs HF eager {err:.2e}"

@@ -72,8 +72,8 @@ def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
 
 def swiglu_only_reason(*, activation: str = "silu", gated: bool = True, swiglu_alpha=None, swiglu_limit=None,
                           has_bias: bool = False, apply_router_weight_on_input: bool = False) -> str | None:
-    """Why kernels that run plain SwiGLU without biases (triton, flashinfer) cannot run an expert activation/bias
-    option (None: they can). Those backends expose it as their ``expert_options_reason``."""
+    """Why kernels that run plain SwiGLU without biases (flashinfer's) cannot run an expert activation/bias
+    option (None: they can). Such a backend exposes it as its ``expert_options_reason``."""
     if activation == "silu" and gated and swiglu_limit is None and not has_bias and not apply_router_weight_on_input:
         return None
     what = []

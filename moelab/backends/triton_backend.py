@@ -6,9 +6,9 @@ This module only orchestrates; each step's launcher lives beside its kernels in 
     segments by local expert       kernels/segments.py   build_segments_triton (one program up to 1024 slots)
     [fused LoRA: W13 shrink]       kernels/fused_lora.py shrink_w13_tiles, or at decode decode_segments_w13_shrink
                                                          (segments and W13 shrink in one launch)
-    GEMM1 + delta + SwiGLU         kernels/moe_gemm.py   gemm1_swiglu (+ the LoRA expand; at decode + the W2 shrink)
+    GEMM1 + bias + delta + act.    kernels/moe_gemm.py   gemm1_swiglu (+ the LoRA expand; at decode + the W2 shrink)
     [fused LoRA: W2 shrink]        kernels/fused_lora.py shrink_w2_tiles (not at decode)
-    GEMM2                          kernels/moe_gemm.py   gemm2 (+ the LoRA expand)
+    GEMM2 + bias                   kernels/moe_gemm.py   gemm2 (+ the LoRA expand)
     finalize                       kernels/finalize.py   finalize_triton
 
 The tile of the permuted space is the GEMMs' BLOCK_M (``moe_gemm.choose_config``), so a tile never mixes experts.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from moelab import _runtime
-from moelab.backends import lora_flow, swiglu_only_reason
-from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.backends import lora_flow
+from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.kernels import fused_lora
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import CONFIG_FILE, GemmConfig, choose_config, gemm1_swiglu, gemm2
@@ -47,7 +47,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"Triton runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; got {device.type}"
 
 
-expert_options_reason = swiglu_only_reason  # the kernels run plain SwiGLU without biases only
+def expert_options_reason(**options) -> str | None:
+    """Every activation, bias and the router weight on the input run in the GEMMs' epilogues and prologue."""
+    return None
 
 
 def prepare(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +93,25 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
               config: GemmConfig | None = None, lora: FusedLoRA | None = None,
-              round_weights: bool = False) -> tuple[torch.Tensor, ...]:
+              round_weights: bool = False, expert: dict | None = None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, weight_on_input: bool = False) -> tuple[torch.Tensor, ...]:
     """Segments -> [LoRA shrink] -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
 
     ``routing``: int32 [T, K] packed words when ``expert_weights`` is None (the kernels decode them), else
     the int ids beside the caller's ``expert_weights`` [T, K] (contiguous). ``round_weights``: the finalize
     weights the base term by bf16(w), as a packing would have rounded it. ``lora`` (ids and weights only, with
     ``round_weights``): fold a LoRA bank into the GEMMs, its term weighted by w; gemm2 then holds base + LoRA
-    terms and is only meant for the finalize.
+    terms and is only meant for the finalize. ``expert``: the activation keywords of :func:`moelab.prepare_weights`
+    (``activation, gated, swiglu_alpha, swiglu_limit``; None: SwiGLU); ``w13_bias``/``w2_bias`` the GEMMs' biases;
+    ``weight_on_input``: each slot's input row is scaled by its weight and the finalize sums unweighted.
     """
     packed = expert_weights is None
     if lora is not None and (packed or not round_weights):
         raise ValueError("lora: the fused LoRA path takes (ids, expert_weights) routing and round_weights=True")
     T, K = routing.shape
-    E_local, two_i, H = w13.shape
-    I = two_i // 2
+    expert = expert or {}
+    E_local, H = w13.shape[0], w13.shape[2]
+    I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
     lora_columns = math.prod(lora.bank.stacked_pads) if lora is not None else 0
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
@@ -132,15 +138,20 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     if lora is not None and lora_args is None:  # prefill: a W13 shrink launch before GEMM1, a W2 shrink after
         lora_args = fused_lora.shrink_w13_tiles(x, lora.bank, lora.lora_ids, expert_weights, seg, top_k=K,
                                                 num_local_experts=E_local, pdl=pdl)
-    gemm1_swiglu(x, w13, act, seg, top_k=K, config=cfg, delta=delta, lora=lora_args, dead_fill=dead_fill, pdl=pdl)
+    input_weights = (routing if packed else expert_weights) if weight_on_input else None
+    gemm1_swiglu(x, w13, act, seg, top_k=K, config=cfg, delta=delta, lora=lora_args, dead_fill=dead_fill, pdl=pdl,
+                 bias=w13_bias, input_weights=input_weights, **expert)
     if isinstance(lora_args, fused_lora.TileLoRA):
         fused_lora.shrink_w2_tiles(act, lora_args)
-    gemm2(act, w2, gemm2_out, seg, config=cfg, lora=lora_args, dead_fill=dead_fill, pdl=pdl)
+    gemm2(act, w2, gemm2_out, seg, config=cfg, lora=lora_args, dead_fill=dead_fill, pdl=pdl, bias=w2_bias)
     if do_finalize:
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=device)
-        finalize_triton(output, gemm2_out, routing if packed else expert_weights, seg.slot_to_row, None,
-                        packed_weights=packed, round_weights=round_weights, pdl=pdl)
+        if weight_on_input:  # the weights went into the inputs: sum the expert outputs unweighted
+            finalize_triton(output, gemm2_out, torch.ones(T, K, device=device), seg.slot_to_row, None, pdl=pdl)
+        else:
+            finalize_triton(output, gemm2_out, routing if packed else expert_weights, seg.slot_to_row, None,
+                            packed_weights=packed, round_weights=round_weights, pdl=pdl)
     else:
         output = x.new_empty(T, 0)  # FlashInfer's placeholder when nothing is finalized
     return output, gemm2_out, seg.slot_to_row, act
@@ -160,23 +171,38 @@ def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtyp
 @torch.library.custom_op("moelab::triton_routed_moe", mutates_args=())
 def _routed_moe_op(routing: torch.Tensor, expert_weights: torch.Tensor | None, hidden_states: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, num_experts: int, local_expert_offset: int,
-                   gemm1_lora_delta: torch.Tensor | None, do_finalize: bool) -> list[torch.Tensor]:
+                   gemm1_lora_delta: torch.Tensor | None, do_finalize: bool, activation: str = "silu",
+                   gated: bool = True, swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                   weight_on_input: bool = False) -> list[torch.Tensor]:
     """The whole pipeline as one opaque op, so torch.compile traces through it (see :func:`routed_moe`)."""
+    expert = dict(activation=activation, gated=gated, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     return list(_pipeline(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
-                          gemm1_lora_delta, do_finalize))
+                          gemm1_lora_delta, do_finalize, expert=expert, w13_bias=w13_bias, w2_bias=w2_bias,
+                          weight_on_input=weight_on_input))
 
 
 @_routed_moe_op.register_fake
 def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
-                     gemm1_lora_delta, do_finalize):
+                     gemm1_lora_delta, do_finalize, activation="silu", gated=True, swiglu_alpha=None,
+                     swiglu_limit=None, w13_bias=None, w2_bias=None, weight_on_input=False):
     T, K = routing.shape
-    E_local, two_i, H = w13.shape
+    E_local, H = w13.shape[0], w13.shape[2]
+    two_i = w13.shape[1] * (1 if gated else 2)
     tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
     x = hidden_states
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
             routing.new_empty(T * K, dtype=torch.int32),
             x.new_empty(permuted_rows(T, K, num_experts, tile, two_i // 2), two_i // 2)]
+
+
+def _expert_options(W: MoEWeights) -> dict:
+    """The activation keywords of the weights, as :func:`moelab.kernels.moe_gemm.gemm1_swiglu` takes them (none
+    for plain SwiGLU)."""
+    if W.activation == "silu" and W.gated and W.swiglu_limit is None:
+        return {}
+    return dict(activation=W.activation, gated=W.gated, swiglu_alpha=W.swiglu_alpha, swiglu_limit=W.swiglu_limit)
 
 
 def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedMoEResult:
@@ -187,12 +213,14 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedM
     weights = None if call.packed is not None else call.expert_weights.contiguous()  # the kernel's stride is 1
     args = (routing, weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
             call.num_experts, call.local_expert_offset, call.gemm1_lora_delta, call.do_finalize)
+    options = dict(w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias, weight_on_input=call.apply_router_weight_on_input)
     if torch.compiler.is_compiling():
-        output, gemm2, e2p, act = _routed_moe_op(*args)
+        output, gemm2, e2p, act = _routed_moe_op(*args, **_expert_options(W), **options)
         if call.output is not None:
             output = call.output.copy_(output)
     else:
-        output, gemm2, e2p, act = _pipeline(*args, output=call.output, config=config)
+        output, gemm2, e2p, act = _pipeline(*args, output=call.output, config=config, expert=_expert_options(W),
+                                            **options)
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
 
 
@@ -215,5 +243,5 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     W = call.weights
     _pipeline(call.topk_ids.contiguous(), weights.contiguous(), call.hidden_states, W.gemm1_weights,
               W.gemm2_weights, call.num_experts, call.local_expert_offset, None, True, output=call.output, lora=lora,
-              round_weights=True)
+              round_weights=True, expert=_expert_options(W), w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias)
     return call.output

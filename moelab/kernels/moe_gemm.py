@@ -3,6 +3,11 @@
     gemm1_swiglu:  act[p]   = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up)   [R1, I]
     gemm2:         y[p]     = act[p] @ W2[e]^T                                                   [R2, H]
 
+SwiGLU is the default; GEMM1's epilogue also runs every activation of :func:`moelab.prepare_weights` (a constexpr:
+gelu/gelu_tanh gated, GPT-OSS's clamped ``swigluoai``, not gated silu/gelu/gelu_tanh/relu2 on an up-only w13), adds
+GEMM1's bias before the delta and the activation, and scales each input row by its slot's routing weight for the
+router weight on the input (Llama-4), rounded to the input dtype; GEMM2 adds its bias, unweighted, to live rows.
+
 ``p`` is a permuted row, ``t = row_to_slot[p] // K`` its token, ``e = block_group[p // BLOCK_M]`` the local
 expert shared by the whole tile of rows, ``d`` the optional ``gemm1_lora_delta`` row of the slot
 (FlashInfer's **[up, gate]** order) added to the fp32 accumulators before SwiGLU. The weights stay in HF
@@ -186,6 +191,43 @@ def _tile_prologue(out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_
 
 
 @jit
+def _pointwise(v, ACTIVATION: tl.constexpr):
+    """``ACTIVATION`` of fp32 ``v``: silu, gelu (erf), gelu_tanh (as ``v * sigmoid(2u)``, which is
+    ``0.5 v (1 + tanh(u))``) or relu2."""
+    if ACTIVATION == "silu":
+        out = v / (1.0 + tl.exp(-v))
+    elif ACTIVATION == "gelu":
+        out = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        out = v / (1.0 + tl.exp(-1.5957691216057308 * (v + 0.044715 * v * v * v)))
+    else:
+        tl.static_assert(ACTIVATION == "relu2", "activation: silu, gelu, gelu_tanh, relu2 or (gated) swigluoai")
+        out = tl.maximum(v, 0.0)
+        out = out * out
+    return out
+
+
+@jit
+def _activation(gate, up, ACTIVATION: tl.constexpr, GATED: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
+                SWIGLU_LIMIT: tl.constexpr):
+    """The expert activation of GEMM1's fp32 accumulators (``moelab.reference.apply_activation``): gated
+    ``act(gate) * up``, gate first clamped to ``<= SWIGLU_LIMIT`` and up to ``[-SWIGLU_LIMIT, SWIGLU_LIMIT]`` when
+    a limit is set, ``"swigluoai"`` ``gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1)``; not gated ``act(up)``
+    (``gate`` unused)."""
+    if GATED:
+        if SWIGLU_LIMIT is not None:
+            gate = tl.minimum(gate, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+        if ACTIVATION == "swigluoai":
+            out = gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate)) * (up + 1.0)
+        else:
+            out = _pointwise(gate, ACTIVATION) * up
+    else:
+        out = _pointwise(up, ACTIVATION)
+    return out
+
+
+@jit
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
@@ -198,6 +240,12 @@ def _gemm1_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
+    # the expert activation (see _activation); not GATED: w13 is [E_local, I, H] (up only), the delta [T*K, I];
+    # bias_ptr: GEMM1's bias [E_local, 2I] ([gate; up]) or [E_local, I], None: none; in_weight_ptr: each slot's
+    # routing weight, to scale its input row (the router weight on the input): float [T*K], or the packed routing
+    # words (IN_WEIGHT_PACKED), None: inputs as they are
+    bias_ptr=None, in_weight_ptr=None, ACTIVATION: tl.constexpr = "silu", GATED: tl.constexpr = True,
+    SWIGLU_ALPHA: tl.constexpr = None, SWIGLU_LIMIT: tl.constexpr = None, IN_WEIGHT_PACKED: tl.constexpr = False,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
         act_ptr, stride_act_r, block_group_ptr, num_live_blocks, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -211,7 +259,16 @@ def _gemm1_swiglu_kernel(
     x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :]
     w_base = w13_ptr + expert.to(tl.int64) * stride_w_e
     gate_ptrs = w_base + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
-    up_ptrs = gate_ptrs + I * stride_w_n
+    if GATED:
+        up_ptrs = gate_ptrs + I * stride_w_n
+    else:  # the up rows are all of w13
+        up_ptrs = gate_ptrs
+    if in_weight_ptr is not None:  # the routing weight of each row's slot, widened exactly to fp32
+        if IN_WEIGHT_PACKED:  # the low half of the routing word is the bf16 weight
+            word = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0)
+            in_weight = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            in_weight = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0.0).to(tl.float32)
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
         if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
             _, has_lora, own = own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
@@ -234,30 +291,47 @@ def _gemm1_swiglu_kernel(
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
+            if GATED:
+                wg = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
             wu = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
         else:
             k_ok = ks + k0 * BLOCK_K < H
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if GATED:
+                wg = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             wu = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if in_weight_ptr is not None:  # the expert sees w * x, rounded to the input dtype (as the model rounds it)
+            a = to_output(a.to(tl.float32) * in_weight[:, None], x_ptr.dtype.element_ty)
         if DOT_F32:  # the interpreter mis-multiplies bf16 in tl.dot (triton #11584); fp32 inputs need ieee
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PRECISION)
+            if GATED:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            else:
+                a, wu = a.to(tl.float32), wu.to(tl.float32)
+        if GATED:
+            acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if bias_ptr is not None:  # GEMM1's bias, in w13's row order [gate; up], before the delta and the activation
+        if GATED:
+            b_ptrs = bias_ptr + expert.to(tl.int64) * (2 * I) + cols
+            acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc_up += tl.load(bias_ptr + expert.to(tl.int64) * I + cols, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :]
     if HAS_DELTA:  # LoRA delta of the slot, [up | gate], added before the activation, unweighted
         d_ptrs = delta_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_d_slot + cols[None, :]
         d_mask = row_ok[:, None] & col_ok[None, :]
         acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-        acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
+        if GATED:  # not gated: the delta is up only
+            acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
     if LORA:
-        if has_lora:  # W13 LoRA, [up | gate] rank vectors, expanded before SwiGLU
+        if has_lora:  # W13 LoRA, [up | gate] rank vectors, expanded before the activation
             acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
             acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:
@@ -280,6 +354,7 @@ def _gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
+    bias_ptr=None,  # GEMM2's bias [E_local, H] (None: none), added to live rows (row_to_slot_ptr: the real slots)
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
         out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -318,6 +393,10 @@ def _gemm2_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if bias_ptr is not None:  # unweighted, before the LoRA term (base rows stay the base path's bit for bit)
+        live = tl.load(row_to_slot_ptr + rows) >= 0  # padding rows keep DEAD_FILL's product
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = tl.where(live[:, None], acc + bias[None, :], acc)
     if LORA:
         if LORA_DECODE:  # the W2 rank vectors: weighted, rounded to the input dtype
             s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
@@ -336,20 +415,37 @@ _NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
 
 def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
                  config: GemmConfig, delta: torch.Tensor | None = None, lora: TileLoRA | DecodeLoRA | None = None,
-                 dead_fill: float = 0.0, pdl: dict | None = None) -> torch.Tensor:
-    """``act`` [R1, I] = SwiGLU of GEMM1 over the rows ``segments`` reaches (tile ``config.block_m``); rows past
-    them are left as they are. ``x`` [T, H] (unit column stride), ``w13`` [E_local, 2I, H] HF order,
-    ``delta`` contiguous [T*K, 2I] [up | gate] or None, ``lora`` the fused bank's operands or None; ``pdl``: the
-    launch options of :func:`moelab._runtime.pdl_launch`."""
-    I, H = w13.shape[1] // 2, w13.shape[2]
+                 dead_fill: float = 0.0, pdl: dict | None = None, activation: str = "silu", gated: bool = True,
+                 swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+                 bias: torch.Tensor | None = None, input_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``act`` [R1, I] = the activation (default SwiGLU) of GEMM1 over the rows ``segments`` reaches (tile
+    ``config.block_m``); rows past them are left as they are. ``x`` [T, H] (unit column stride), ``w13``
+    [E_local, 2I, H] HF order, ``delta`` contiguous [T*K, 2I] [up | gate] or None, ``lora`` the fused bank's
+    operands or None; ``pdl``: the launch options of :func:`moelab._runtime.pdl_launch`.
+
+    ``activation``, ``gated``, ``swiglu_alpha``, ``swiglu_limit``: as :func:`moelab.prepare_weights` takes them (not
+    ``gated``: ``w13`` [E_local, I, H], ``delta`` [T*K, I]); ``bias`` contiguous [E_local, 2I] ([gate; up]) or
+    [E_local, I]; ``input_weights``: each slot's routing weight to scale its input row by (the router weight on
+    the input), contiguous [T, K] float, or the int32 packed routing words."""
+    if lora is not None and not gated:
+        raise ValueError("lora: the fused LoRA bank runs gated activations only (it expands gate and up)")
+    I, H = w13.shape[1] // (2 if gated else 1), w13.shape[2]
     reach = segments.row_to_slot.numel()
     lora_args = lora.gemm1_args(x) if lora is not None else dict.fromkeys(_GEMM1_NO_LORA, x) | _NO_BANK
+    options = {}  # plain SwiGLU: the kernel's defaults (fewer arguments for the launcher to bind at decode)
+    if (activation, gated, swiglu_limit, bias, input_weights) != ("silu", True, None, None, None):
+        if activation == "swigluoai" and swiglu_alpha is None:
+            swiglu_alpha = 1.702
+        options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
+                       SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
+                       IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
         x_ptr=x, w13_ptr=w13, delta_ptr=delta if delta is not None else x, act_ptr=act,
         row_to_slot_ptr=segments.row_to_slot, block_group_ptr=segments.block_group,
         num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I, top_k=top_k,
         stride_x_t=x.stride(0), stride_w_e=w13.stride(0), stride_w_n=w13.stride(1),
-        stride_d_slot=2 * I if delta is not None else 0, stride_act_r=act.stride(0), **lora_args,
+        stride_d_slot=delta.shape[-1] if delta is not None else 0, stride_act_r=act.stride(0), **lora_args,
+        **options,
         HAS_DELTA=delta is not None, **dot_flags(x.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=H % config.block_k == 0,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
@@ -357,13 +453,17 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
 
 
 def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, config: GemmConfig,
-          lora: TileLoRA | DecodeLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None) -> torch.Tensor:
+          lora: TileLoRA | DecodeLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
-    rows ``segments`` reaches (unweighted; plus the fused bank's W2 term with ``lora``)."""
+    rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
+    W2 term with ``lora``)."""
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
     lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
         "top_k": 0}
+    if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
+        lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
     _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
         act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
         num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,
