@@ -255,3 +255,18 @@ def test_markdown_eager_over_graph():
     assert "| T | moelab triton |" in table and "| 1 | 3.00 |" in table and "| 32 | 1.20 |" in table
     assert "naive" not in table  # measured eagerly only
     assert "eager / [graph]" not in bench.markdown({"rows": rows[2:3]})
+
+
+def test_tiny_expert_options(tmp_path):
+    """--activation/--bias: moelab's rows and the grouped_mm peer run GPT-OSS's experts and pass the float64
+    check (which then has the activation and the biases); SwiGLU-only peers say why they are skipped."""
+    res = bench.run(["--tiny", "--cpu-reps", "1", "--activation", "swigluoai", "--bias", "--peers",
+                     "torch,grouped_mm,naive", "--out", str(tmp_path / "bench.json")])
+    rows = _rows(res, "base")
+    for name in ("moelab triton", "moelab torch", "torch grouped_mm"):
+        got = [r for r in rows if r["impl"] == name]
+        assert len(got) == 2 and all(r.get("check") == "ok" and r["rel_err"] < 1e-2 for r in got), got
+    assert all("SwiGLU without biases" in r["skipped"] for r in rows if r["impl"] == "naive loop")
+    assert bench.failures(res) == []
+    with pytest.raises(SystemExit):
+        bench.cli.build_parser().parse_args(["--activation", "relu2"])

@@ -8,6 +8,7 @@ Command line (``python -m moelab.bench --help``)::
     python -m moelab.bench --peers grouped_mm,hf            # only these peers beside moelab (--peers none: none)
     python -m moelab.bench --lora --ops                     # LoRA rows (r16, 1 and 4 adapters) + the two ops
     python -m moelab.bench --lora --lora-variants "8x mixed,32x mixed"   # serving banks of ranks 8-64
+    python -m moelab.bench --shape gpt-oss-20b --activation swigluoai --bias   # GPT-OSS's experts
     python -m moelab.bench --quick                          # fewer T, fewer repetitions
     python -m moelab.bench --tiny                           # E=8 K=2 H=64 I=32, T=1,8: runs on a CPU (CI)
 
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of 'Nx all' (every token one of N adapters), 'Nx half' (half the tokens -1), "
                         "'Nx mixed' (N adapters of ranks 64,32,16,8,64,...; tokens spread over all N), "
                         "'Nx mixed half'; e.g. '1x all,4x half,8x mixed,32x mixed' (overrides --adapters)")
+    p.add_argument("--activation", default="silu", choices=["silu", "gelu", "gelu_tanh", "swigluoai"],
+                   help="the experts' gated activation (base mode; 'swigluoai': GPT-OSS's clamped SwiGLU) [silu]")
+    p.add_argument("--bias", action="store_true", help="random GEMM1 and GEMM2 biases (base mode; GPT-OSS has them)")
     p.add_argument("--ops", action="store_true", help="also unpermute_activation / finalize_with_w2_lora GB/s")
     p.add_argument("--ops-tokens", type=int, default=16384, help="T of --ops [16384]")
     p.add_argument("--impls", default="", help="keep implementations whose name contains one of these words")
@@ -181,6 +185,8 @@ def _finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
         args.out = os.path.join(os.environ["OUT"] if os.environ.get("OUT") else "build/bench", "bench.json")
     if args.check_tokens < 1:
         p.error(f"--check-tokens: expected at least 1, got {args.check_tokens}")
+    if args.lora and (args.activation != "silu" or args.bias):
+        p.error("--activation/--bias: the LoRA rows run SwiGLU without biases (LoRAExperts' experts); drop --lora")
     try:  # bad spellings fail here, before any GPU time is spent
         args.peer_keys = parse_peers(args.peers)
         args.shapes = [get_shape(s) for s in _split_shapes(args.shape)]

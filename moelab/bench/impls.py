@@ -20,7 +20,7 @@ def build_moelab(ctx, backend: str):
     if backend not in moelab.available_backends(ctx.device):
         raise Skip(f"moelab backend {backend!r} does not run on {ctx.device} here "
                    f"(available: {moelab.available_backends(ctx.device)})")
-    W = moelab.prepare_weights(ctx.w13, ctx.w2, backend=backend)
+    W = moelab.prepare_weights(ctx.w13, ctx.w2, backend=backend, **ctx.expert)
     E, K = ctx.shape.E, ctx.shape.K
     return lambda s: moelab.routed_moe(s.packed, s.x, W, num_experts=E, top_k=K, validate=False)[0]
 

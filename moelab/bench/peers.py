@@ -23,8 +23,15 @@ def _grouped_mm():
     return fn
 
 
+def swiglu_only(ctx, who: str) -> None:
+    """Skip a peer that computes plain SwiGLU without biases when the run's experts are not that."""
+    if ctx.expert:
+        raise Skip(f"{who} runs SwiGLU without biases only")
+
+
 def build_naive(ctx):
     """Per-expert PyTorch loop: where() per expert (a host sync each), two matmuls, weighted index_add_."""
+    swiglu_only(ctx, "the naive loop")
     w13, w2, E = ctx.w13, ctx.w2, ctx.shape.E
 
     def fn(s):
@@ -43,8 +50,14 @@ def build_naive(ctx):
 
 def build_grouped_mm(ctx):
     """A full MoE layer on torch._grouped_mm (CUTLASS grouped GEMM on Hopper), no host sync: slots sorted by
-    expert, int32 cumulative offsets, gate_up GEMM, silu*up, down GEMM, weighted index_add_ in fp32."""
+    expert, int32 cumulative offsets, gate_up GEMM, silu*up, down GEMM, weighted index_add_ in fp32. With
+    ``--activation``/``--bias``: the biases gathered per slot and added to each GEMM's output, the activation in
+    PyTorch between the GEMMs (as HF's grouped_mm experts run GPT-OSS)."""
+    from moelab.backends.torch_backend import activate
+
     gmm = _grouped_mm()
+    b13, b2 = ctx.expert.get("w13_bias"), ctx.expert.get("w2_bias")
+    activation = ctx.expert.get("activation", "silu")
     E, K, H, I = ctx.shape.E, ctx.shape.K, ctx.shape.H, ctx.shape.I
     w13_t = ctx.w13.transpose(1, 2)  # [E, H, 2I], column-major per expert: CUTLASS's B layout, a free view
     w2_t = ctx.w2.transpose(1, 2)  # [E, I, H]
@@ -57,8 +70,15 @@ def build_grouped_mm(ctx):
         offs = torch.cumsum(counts, 0).to(torch.int32)  # cumulative end row of each expert's group
         tok = order // K
         h = gmm(s.x[tok], w13_t, offs=offs)  # [T*K, 2I], HF order [gate | up]
-        a = F.silu(h[:, :I]) * h[:, I:]
+        if b13 is not None:
+            h = h + b13[flat[order]]
+        if activation == "silu":
+            a = F.silu(h[:, :I]) * h[:, I:]
+        else:
+            a = activate(h[:, :I], h[:, I:], activation=activation)
         y = gmm(a, w2_t, offs=offs)  # [T*K, H]
+        if b2 is not None:
+            y = y + b2[flat[order]]
         y = y.float() * s.weights.flatten()[order].float()[:, None]
         out = torch.zeros(T, H, dtype=torch.float32, device=s.x.device).index_add_(0, tok, y)
         return out.to(s.x.dtype)
@@ -100,6 +120,7 @@ def _hf_experts(ctx, implementation: str):
 
 def build_hf(ctx, implementation: str):
     """Hugging Face's experts forward, ``implementation`` "eager" or "grouped_mm"."""
+    swiglu_only(ctx, "Qwen3MoeExperts")
     m = _hf_experts(ctx, implementation)
     return lambda s: m(s.x, s.ids64, s.weights)
 
@@ -107,6 +128,7 @@ def build_hf(ctx, implementation: str):
 def build_liger(ctx):
     """Liger-Kernel's Triton fused MoE (``LigerFusedMoEFunction``), its autotuner pinned to one config unless
     ``--liger-autotune``."""
+    swiglu_only(ctx, "Liger's fused MoE")
     if ctx.device.type != "cuda":
         raise Skip("Liger's Triton kernels are timed on CUDA only (its bf16 tl.dot is wrong in the interpreter)")
     if not ctx.args.liger_autotune:

@@ -121,6 +121,8 @@ class Ctx:
     dtype: torch.dtype
     args: argparse.Namespace
     banks: dict = field(default_factory=dict)  # variant name -> moelab.LoRABank ("ids=-1": the first one)
+    #: the experts' activation and biases, as prepare_weights takes them (--activation, --bias); empty: SwiGLU
+    expert: dict = field(default_factory=dict)
 
     def bank_of(self, variant: str) -> moelab.LoRABank:
         return self.banks[variant]
@@ -172,7 +174,8 @@ def reference_rows(ctx: Ctx, s: InputSet, rows: torch.Tensor, variant: str | Non
         experts, local = torch.unique(ids, return_inverse=True)
         w13, w2, x, w = (_f64(t) for t in (ctx.w13[experts], ctx.w2[experts], s.x[part], s.weights[part]))
         if variant is None:
-            out.append(reference.routed_moe(local.cpu(), w, x, w13, w2)["output"])
+            expert = {k: _f64(v[experts]) if isinstance(v, torch.Tensor) else v for k, v in ctx.expert.items()}
+            out.append(reference.routed_moe(local.cpu(), w, x, w13, w2, **expert)["output"])
             continue
         bank, lora = ctx.bank_of(variant), s.lora_ids[variant][part].long()
         slots = torch.unique(lora[lora >= 0])
@@ -412,6 +415,11 @@ def run_shape(runner: Runner, shape: Shape, routing: str, mode: str) -> None:
     w13 = (torch.randn(E, 2 * I, H, device=device) / math.sqrt(H)).to(dtype)
     w2 = (torch.randn(E, H, I, device=device) / math.sqrt(I)).to(dtype)
     ctx = Ctx(shape, w13, w2, device, dtype, a)
+    if mode == "base" and a.activation != "silu":
+        ctx.expert["activation"] = a.activation
+    if mode == "base" and a.bias:
+        ctx.expert["w13_bias"] = (torch.randn(E, 2 * I, device=device) * 0.1).to(dtype)
+        ctx.expert["w2_bias"] = (torch.randn(E, H, device=device) * 0.1).to(dtype)
     variants = []
     if mode == "lora":
         variants = parse_variants(a.lora_variants, a.adapters)
@@ -422,6 +430,7 @@ def run_shape(runner: Runner, shape: Shape, routing: str, mode: str) -> None:
     plan = [i for i in plan if _keep(i, a)]
     runner._built.clear()
     runner.log(f"== {mode}: {shape}, {routing} routing, bf16, T = {a.tokens}, {a.sets} input sets"
+               + (f", experts: {a.activation}{' with biases' if a.bias else ''}" if ctx.expert else "")
                + (f", LoRA variants {[v.name for v in variants]} (rank {a.rank} unless mixed)" if variants else ""))
     for T in _ints(a.tokens):
         where = {"mode": mode, "shape": shape.name, "routing": routing, "T": T}
