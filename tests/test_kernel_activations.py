@@ -210,3 +210,26 @@ def test_fused_lora_refuses_experts_that_are_not_gated(device):
                            torch.zeros(9, dtype=torch.int32, device=device), fused=True)
     with pytest.raises(ValueError, match="lora: the fused LoRA bank runs gated activations only"):
         triton_backend.lora_experts(call)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels at real tiles: a CUDA GPU (the H200)")
+@pytest.mark.parametrize("T", [1, 300], ids=["decode", "prefill"])
+@pytest.mark.parametrize("bias,on_input", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "bias", "bias-oninput"])
+@pytest.mark.parametrize("activation,gated", CASES, ids=CASE_IDS)
+def test_bf16_compiled(activation, gated, bias, on_input, T):
+    """bf16 on the GPU at the tuned tiles (decode and prefill configs, wgmma), sizes off every tile."""
+    p = _problem(activation, gated, bias, True, T=T, E=8, K=3, H=200, I=328, dtype=torch.bfloat16, device="cuda")
+    weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton", activation=activation, gated=gated,
+                                     w13_bias=p["b13"], w2_bias=p["b2"])
+    moelab.set_debug(True)
+    try:
+        out = _run(p, weights, packed=True, on_input=on_input)
+        base = _run(p, weights, packed=True, on_input=on_input, delta=False)
+    finally:
+        moelab.set_debug(False)
+    ref = reference.routed_moe(p["ids"], reference.bf16_round(p["w"]), p["x"], p["w13"], p["w2"],
+                               gemm1_lora_delta=p["delta"], w13_bias=p["b13"], w2_bias=p["b2"], activation=activation,
+                               gated=gated, apply_router_weight_on_input=on_input)["output"]
+    assert_close_to_reference(out, ref, torch.bfloat16, "output")
+    assert torch.equal(out[::3], base[::3]), "a token with a zero delta differs from the run without a delta"
