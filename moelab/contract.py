@@ -153,7 +153,7 @@ class LoRAExpertsCall:
     lora: LoRABank | None  # the adapters of the E_local experts, or None: base MoE only
     lora_ids: torch.Tensor | None  # int [T] on the device (-1: no adapter), None with ``lora`` None
     fused: bool = False  # fold the bank into the backend's own kernels (only where ``fused_lora_reason`` is None)
-    fused_mode: str | None = None  # force a mode of the fused path ("tiles", "decode"); None: by batch size
+    path: str | None = None  # force one LoRA path (``moelab.experts.LORA_PATHS``); None: by backend and batch
 
 
 def permuted_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, width: int) -> int:

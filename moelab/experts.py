@@ -50,8 +50,16 @@ from moelab.packing import check_routing
 
 __all__ = ["LoRAExperts"]
 
-#: The modes of the fused path that ``fused=`` can force (see :class:`LoRAExperts`).
-FUSED_MODES = ("tiles", "decode")
+#: Every LoRA path of :class:`LoRAExperts`, by the name ``fused=`` forces it with (tests, benchmarks):
+#:     "tiles"          fused: shrink launches over the GEMMs' tiles (what prefill takes)
+#:     "decode"         fused: the routing launch writes the rank vectors, no shrink launch (batches of up to
+#:                      ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots)
+#:     "flow-grouped"   vLLM's unfused flow, the delta kernel over tiles grouped by (adapter, expert)
+#:     "flow-per-slot"  vLLM's unfused flow, the delta kernel one program per slot (no grouping; Triton only)
+#: Left to itself (None) the module takes the fused path where its backend has one, the flow elsewhere, and the
+#: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel).
+LORA_PATHS = ("tiles", "decode", "flow-grouped", "flow-per-slot")
+FUSED_MODES = LORA_PATHS[:2]
 
 
 class LoRAExperts(nn.Module):
@@ -66,9 +74,9 @@ class LoRAExperts(nn.Module):
         fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can
             (the triton backend, for a bank of at most ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``
             stacked columns: L and max_rank padded to powers of two, multiplied); True: raise where it cannot;
-            False: vLLM's unfused flow. "tiles" / "decode" force one mode of the fused path (tests, benchmarks):
-            shrink launches over the GEMMs' tiles (what prefill takes), or the one-launch decode path (what
-            batches of up to ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots take).
+            False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one path (tests, benchmarks): "tiles"
+            / "decode", a mode of the fused path, or "flow-grouped" / "flow-per-slot", the unfused flow with that
+            mode of the delta kernel; a path this backend or bank cannot run raises.
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
     -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
@@ -110,12 +118,12 @@ class LoRAExperts(nn.Module):
                                 f"{dtype_name(lora.dtype)}; make the bank with dtype={self.weights.dtype}")
         self.lora = lora
         self.fused = self._check_fused(fused)
-        self._fused_mode = fused if isinstance(fused, str) else None
+        self._path = fused if isinstance(fused, str) else None
 
     def _check_fused(self, fused: bool | str | None) -> bool:
-        if fused is not None and not isinstance(fused, bool) and fused not in FUSED_MODES:
-            raise TypeError(f"fused: expected True, False, None or one of {FUSED_MODES}, got {fused!r}")
-        if self.lora is None or fused is False:
+        if fused is not None and not isinstance(fused, bool) and fused not in LORA_PATHS:
+            raise TypeError(f"fused: expected True, False, None or one of {LORA_PATHS}, got {fused!r}")
+        if self.lora is None or fused is False or (isinstance(fused, str) and fused not in FUSED_MODES):
             return False
         reason = get_backend(self.backend).fused_lora_reason(self.lora)
         if fused and reason is not None:
@@ -190,5 +198,5 @@ class LoRAExperts(nn.Module):
             check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
                                self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,
-                               lora_ids if with_lora else None, self.fused, self._fused_mode)
+                               lora_ids if with_lora else None, self.fused, self._path)
         return get_backend(self.backend).lora_experts(call)

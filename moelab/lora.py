@@ -15,7 +15,8 @@ Index arrays, by name:
 
 Each delta validates, allocates, then launches the fused Triton kernel of ``moelab/kernels/lora.py`` when
 Triton can run on the device (a CUDA GPU, or the interpreter on CPU), else runs the torch fallback below,
-which follows the same tiles. ``use_triton`` forces either (tests compare both).
+which follows the same tiles. ``use_triton`` forces either, ``per_slot`` the Triton kernel's mode (tests and
+benchmarks compare them).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from moelab.ops import _use_triton
 from moelab.permutation import Segments, build_segments, next_pow2
 
 __all__ = ["LoRABank", "lora_scaling", "lora_segments", "build_lora_segments", "w13_lora_delta", "w2_lora_delta",
-           "per_slot"]
+           "per_slot_by_size"]
 
 _BANK_FORMAT = "moelab.LoRABank/1"
 #: (name, shape of one slot in the bank as a function of (E_local, H, I, r)), in the order of ``set``.
@@ -308,16 +309,17 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 #: The Triton kernel runs one program per slot (finding each slot's group itself, nothing sorted) while the A and B
 #: bytes those programs stream, ``T*K * r * 3(H + I) * itemsize``, stay under this budget; above it the slots are
-#: grouped into segments so each (adapter, expert) pair is read once per tile. Measured on an H200 at
-#: Qwen3-30B-A3B shapes, rank 16, 4 adapters (CUDA graphs, both deltas), when the grouping was ~25 small torch
-#: launches (~100-200 us): per slot won at T=256 (138 vs 192 us, 0.55 GB), lost at T=512 (259 vs 205 us, 1.1 GB).
-#: The grouping is now 1-3 Triton launches (``moelab.kernels.segments``), so grouped tiles should win earlier; the
-#: crossover has not been measured again, and this budget is the old one.
+#: grouped into segments so each (adapter, expert) pair is read once per tile. ``per_slot=`` of the deltas (and
+#: ``LoRAExperts(fused="flow-per-slot" | "flow-grouped")``) force either. The budget dates from an H200 run at
+#: Qwen3-30B-A3B shapes (rank 16, 4 adapters, both deltas in a CUDA graph) when the grouping was ~25 torch launches
+#: (per slot 138 vs 192 us at T=256, 259 vs 205 us at T=512); the grouping is now 1-3 Triton launches
+#: (``moelab.kernels.segments``) and the crossover has not been measured since (``scripts/device_house.sh`` does).
 PER_SLOT_MAX_BYTES = 800 * 2**20
 
 
-def per_slot(num_slots: int, bank: LoRABank) -> bool:
-    """True when the Triton kernel should run one program per slot instead of grouped tiles (see above)."""
+def per_slot_by_size(num_slots: int, bank: LoRABank) -> bool:
+    """The deltas' choice when ``per_slot`` is None: one program per slot while the bytes it streams stay under
+    ``PER_SLOT_MAX_BYTES`` (see above), else grouped tiles."""
     h, i = bank.hidden_size, bank.intermediate_size
     return num_slots * bank.max_rank * 3 * (h + i) * bank.gate_a.element_size() <= PER_SLOT_MAX_BYTES
 
@@ -351,14 +353,14 @@ def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: Lo
 
 
 def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
-                  local_expert_offset: int = 0) -> Segments | None:
+                  local_expert_offset: int = 0, per_slot: bool | None = None) -> Segments | None:
     """The grouping both deltas of a layer share: build it once, pass it as ``segments=`` to each.
 
-    None for a small batch (:func:`per_slot`; T up to ~390 at Qwen3-30B-A3B shapes): the Triton kernel then
-    runs one program per slot and needs no grouping. Otherwise :func:`build_lora_segments`. Arguments as in
-    :func:`w13_lora_delta` (not validated here).
+    None where the Triton kernel runs one program per slot and needs no grouping (``per_slot`` True, or None and
+    a small batch: :func:`per_slot_by_size`, T up to ~390 at Qwen3-30B-A3B shapes); pass the same ``per_slot``
+    to the deltas. Otherwise :func:`build_lora_segments`. Arguments as in :func:`w13_lora_delta` (not validated).
     """
-    if per_slot(topk_ids.numel(), bank):
+    if per_slot if per_slot is not None else per_slot_by_size(topk_ids.numel(), bank):
         return None
     return build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
 
@@ -445,13 +447,27 @@ def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, 
     return T, K
 
 
-def _run(x, a_banks, b_banks, out, topk_ids, lora_ids, bank, local_expert_offset, segments, use_triton, *,
+def _check_per_slot(per_slot, segments, triton_path: bool) -> None:
+    if per_slot is not None and not isinstance(per_slot, bool):
+        raise TypeError(f"per_slot: expected True, False or None, got {per_slot!r}")
+    if per_slot and segments is not None:
+        raise ValueError("per_slot: True runs one program per slot, which takes no segments; pass segments=None "
+                         "(or per_slot=None to use the grouping)")
+    if per_slot and not triton_path:
+        raise ValueError("per_slot: True runs the Triton kernel one program per slot, and this call runs the torch "
+                         "fallback (use_triton=False, or a device Triton cannot run on); pass per_slot=None or False")
+
+
+def _run(x, a_banks, b_banks, out, topk_ids, lora_ids, bank, local_expert_offset, segments, use_triton, per_slot, *,
          slots_per_input_row, weight=None):
+    triton_path = _use_triton(out.device, use_triton)
+    _check_per_slot(per_slot, segments, triton_path)
     if out.numel() == 0:
         return out
     out2d = out.view(out.shape[0] * out.shape[1], -1)
-    triton_path = _use_triton(out.device, use_triton)
-    if segments is None and not (triton_path and per_slot(topk_ids.numel(), bank)):
+    if per_slot is None:
+        per_slot = triton_path and per_slot_by_size(topk_ids.numel(), bank)
+    if segments is None and not per_slot:
         segments = build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=local_expert_offset)
     if not triton_path:
         lora_shrink_expand_torch(x, a_banks, b_banks, out2d, segments, slots_per_input_row=slots_per_input_row,
@@ -478,7 +494,8 @@ def _check_out(out, shape, dtype, device):
 
 def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
                    local_expert_offset: int = 0, validate: bool = True, segments: Segments | None = None,
-                   out: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, use_triton: bool | None = None,
+                   per_slot: bool | None = None) -> torch.Tensor:
     """The W13 LoRA delta FlashInfer adds to GEMM1's output before SwiGLU (docs/contract.md §5), [up, gate] order.
 
     ``delta[t, k] = cat(B_up @ (A_up @ x[t]), B_gate @ (A_gate @ x[t]))`` for a local slot whose token has an
@@ -497,6 +514,9 @@ def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids
         segments: :func:`lora_segments` of these ids, to share one grouping with :func:`w2_lora_delta`.
         out: optional contiguous [T, K, 2I] buffer of the input dtype, written in full and returned.
         use_triton: True / False force the Triton kernel / the torch fallback; None picks Triton where it runs.
+        per_slot: the Triton kernel's mode: True one program per slot (no grouping; ``segments`` must be None),
+            False tiles grouped by (adapter, expert), None by batch size (:func:`per_slot_by_size`). The torch
+            fallback always groups (True raises there).
 
     Returns:
         [T, K, 2I] in the dtype of ``hidden_states``: columns 0:I are up, I:2I gate (FlashInfer order).
@@ -520,13 +540,13 @@ def w13_lora_delta(hidden_states: torch.Tensor, topk_ids: torch.Tensor, lora_ids
                                        bank=bank.gate_a)
     out = _check_out(out, (T, K, 2 * bank.intermediate_size), hidden_states.dtype, device)
     return _run(hidden_states, [bank.up_a, bank.gate_a], [bank.up_b, bank.gate_b], out, topk_ids, lora_ids, bank,
-                local_expert_offset, segments, use_triton, slots_per_input_row=K)
+                local_expert_offset, segments, use_triton, per_slot, slots_per_input_row=K)
 
 
 def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, lora_ids: torch.Tensor,
                   bank: LoRABank, *, local_expert_offset: int = 0, validate: bool = True,
                   segments: Segments | None = None, out: torch.Tensor | None = None,
-                  use_triton: bool | None = None) -> torch.Tensor:
+                  use_triton: bool | None = None, per_slot: bool | None = None) -> torch.Tensor:
     """The W2 LoRA delta (docs/contract.md §5): ``w[t, k] * B_down @ (A_down @ act[t*K + k])`` per slot, not reduced.
 
     The routing weight is the caller's (e.g. fp32, not the bf16-rounded one the base path uses), multiplied in
@@ -536,7 +556,7 @@ def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         act: [T*K, I], the unpermuted SwiGLU activation (:func:`moelab.unpermute_activation`), the bank's
             dtype; any strides.
         topk_ids: int [T, K] global ids; topk_weights: float [T, K]; lora_ids: int [T] (-1 = none).
-        bank, local_expert_offset, validate, segments, out, use_triton: as in :func:`w13_lora_delta`
+        bank, local_expert_offset, validate, segments, out, use_triton, per_slot: as in :func:`w13_lora_delta`
             (``out``: [T, K, H]).
 
     Returns:
@@ -561,4 +581,4 @@ def w2_lora_delta(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                                        bank=bank.down_a)
     out = _check_out(out, (T, K, bank.hidden_size), act.dtype, device)
     return _run(act, [bank.down_a], [bank.down_b], out, topk_ids, lora_ids, bank, local_expert_offset, segments,
-                use_triton, slots_per_input_row=1, weight=topk_weights.contiguous())
+                use_triton, per_slot, slots_per_input_row=1, weight=topk_weights.contiguous())

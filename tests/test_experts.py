@@ -328,11 +328,19 @@ def test_base_path_under_torch_compile(device):
     assert torch.equal(compiled(x, w, ids), experts(x, w, ids, None))
 
 
-@pytest.mark.parametrize("fused, launcher", [(None, "decode_segments_w13_shrink"),
-                                             ("decode", "decode_segments_w13_shrink"), ("tiles", "shrink_w13_tiles")])
-def test_fused_mode_argument_picks_the_path(fused, launcher, device, monkeypatch):
-    """``fused=`` forces a mode of the fused path (what tests of either mode rely on); a small batch takes decode."""
+@pytest.mark.parametrize("fused, launches", [
+    (None, ["decode_segments_w13_shrink"]),  # a small batch takes the fused decode path
+    ("decode", ["decode_segments_w13_shrink"]),
+    ("tiles", ["shrink_w13_tiles"]),
+    (False, ["per-slot delta", "per-slot delta"]),  # the flow, delta kernel by batch size: per slot here
+    ("flow-per-slot", ["per-slot delta", "per-slot delta"]),
+    ("flow-grouped", ["grouped delta", "grouped delta"]),
+])
+def test_fused_argument_forces_each_lora_path(fused, launches, device, monkeypatch):
+    """``fused=`` forces each of ``LORA_PATHS`` (what tests and benchmarks of one path rely on); the result is right
+    on every path."""
     from moelab.kernels import fused_lora
+    from moelab.kernels import lora as delta_kernel
     T, K, E, H, I = 3, 2, 4, 32, 16
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, torch.float32, device)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton", fused=fused,
@@ -341,7 +349,25 @@ def test_fused_mode_argument_picks_the_path(fused, launcher, device, monkeypatch
     for name in ("decode_segments_w13_shrink", "shrink_w13_tiles"):
         original = getattr(fused_lora, name)
         monkeypatch.setattr(fused_lora, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
+    launch = delta_kernel.lora_shrink_expand_triton
+    monkeypatch.setattr(delta_kernel, "lora_shrink_expand_triton", lambda x, a, b, out, segments, **k: calls.append(
+        "per-slot delta" if segments is None else "grouped delta") or launch(x, a, b, out, segments, **k))
     out = experts(x, w, ids, lora_ids)
-    assert calls == [launcher]
+    assert calls == launches
     assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, experts.lora)["output"],
                               torch.float32, f"fused={fused}")
+
+
+def test_forced_path_the_backend_cannot_run_raises(device):
+    E, K, H, I = 4, 2, 16, 16
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(3, K, E, H, I, torch.float32, device)
+    bank = make_bank(adapters, E, 0, H, I, 8, torch.float32, device)
+    for path in ("tiles", "decode"):
+        with pytest.raises(ValueError, match="fused.*cannot fold"):
+            moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused=path)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused="flow-per-slot")
+    with pytest.raises(ValueError, match="fused: 'flow-per-slot'.*torch fallback"):
+        experts(x, w, ids, lora_ids)
+    grouped = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused="flow-grouped")
+    assert_close_to_reference(grouped(x, w, ids, lora_ids),
+                              reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"], torch.float32)

@@ -26,11 +26,10 @@ DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, i
 
 
 @pytest.fixture
-def use_triton(request, monkeypatch):
-    """The ``path`` parameter as the deltas' ``use_triton``, with the per-slot threshold set to force it."""
-    path = request.param
-    monkeypatch.setattr(moelab.lora, "PER_SLOT_MAX_BYTES", 2**62 if path == "per-slot" else -1)
-    return path != "torch"
+def path(request):
+    """The ``path`` parameter as the deltas' ``use_triton`` and ``per_slot`` arguments."""
+    return {"segments": {"use_triton": True, "per_slot": False}, "per-slot": {"use_triton": True, "per_slot": True},
+            "torch": {"use_triton": False}}[request.param]
 
 
 def random_adapter(E: int, H: int, I: int, r: int, *, zero: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -88,10 +87,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
+@pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_deltas_match_reference(case: Case, dtype, use_triton, device):
+def test_deltas_match_reference(case: Case, dtype, path, device):
     c = case
     L = len(c.ranks)
     bank = make_bank(L, c.E_local, c.H, c.I, c.max_rank, c.ranks, dtype, device=device)
@@ -107,7 +106,7 @@ def test_deltas_match_reference(case: Case, dtype, use_triton, device):
     validate = 0 not in c.ranks
     out13 = poison(torch.empty(c.T, c.K, 2 * c.I, dtype=dtype, device=device))
     got13 = w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=c.offset, out=out13,
-                           use_triton=use_triton, validate=validate)
+                           **path, validate=validate)
     assert got13 is out13 and got13.dtype == dtype
     ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=c.offset)
     assert_close_to_reference(got13, ref13, dtype, "w13_lora_delta")
@@ -115,15 +114,15 @@ def test_deltas_match_reference(case: Case, dtype, use_triton, device):
 
     out2 = poison(torch.empty(c.T, c.K, c.H, dtype=dtype, device=device))
     got2 = w2_lora_delta(act, topk_ids, weights, lora_ids, bank, local_expert_offset=c.offset, out=out2,
-                         use_triton=use_triton, validate=validate)
+                         **path, validate=validate)
     assert got2 is out2 and got2.dtype == dtype
     ref2 = reference.w2_lora_delta(act, topk_ids, weights, lora_ids, bank, local_expert_offset=c.offset)
     assert_close_to_reference(got2, ref2, dtype, "w2_lora_delta")
     assert torch.equal(got2[zero], torch.zeros_like(got2[zero]))
 
 
-@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
-def test_all_tokens_without_adapter_give_exact_zeros(use_triton, device):
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_all_tokens_without_adapter_give_exact_zeros(path, device):
     # every slot falls in the zero group: the kernel's zero-store branch writes the whole (poisoned) output
     T, K, E, H, I = 7, 2, 4, 24, 40
     bank = make_bank(2, E, H, I, 16, (8, 4), torch.bfloat16, device=device)
@@ -131,35 +130,35 @@ def test_all_tokens_without_adapter_give_exact_zeros(use_triton, device):
     x, act = torch.randn(T, H, device=device).bfloat16(), torch.randn(T * K, I, device=device).bfloat16()
     out13 = poison(torch.empty(T, K, 2 * I, dtype=torch.bfloat16, device=device))
     out2 = poison(torch.empty(T, K, H, dtype=torch.bfloat16, device=device))
-    w13_lora_delta(x, topk_ids, lora_ids, bank, out=out13, use_triton=use_triton)
+    w13_lora_delta(x, topk_ids, lora_ids, bank, out=out13, **path)
     w2_lora_delta(act, topk_ids, random_weights(T, K, device=device), lora_ids, bank, out=out2,
-                  use_triton=use_triton)
+                  **path)
     assert torch.equal(out13, torch.zeros_like(out13))
     assert torch.equal(out2, torch.zeros_like(out2))
 
 
-@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
-def test_empty_batch(use_triton, device):
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_empty_batch(path, device):
     # T = 0: empty results of the right shape, nothing launched
     bank = make_bank(1, 2, 16, 8, 16, (4,), torch.float32, device=device)
     ids, lora = torch.zeros(0, 2, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int32, device=device)
-    d13 = w13_lora_delta(torch.zeros(0, 16, device=device), ids, lora, bank, use_triton=use_triton)
+    d13 = w13_lora_delta(torch.zeros(0, 16, device=device), ids, lora, bank, **path)
     d2 = w2_lora_delta(torch.zeros(0, 8, device=device), ids, torch.zeros(0, 2, device=device), lora, bank,
-                       use_triton=use_triton)
+                       **path)
     assert d13.shape == (0, 2, 16) and d2.shape == (0, 2, 16)
 
 
-@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
+@pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("zeroed, zero_cols", [
     (("up_a", "up_b"), slice(0, 24)),  # up is the FIRST half of the delta (FlashInfer order, the "swap")
     (("gate_a", "gate_b"), slice(24, 48)),  # gate is the second half
 ])
-def test_w13_delta_is_up_then_gate(zeroed, zero_cols, use_triton, device):
+def test_w13_delta_is_up_then_gate(zeroed, zero_cols, path, device):
     T, K, E, H, I = 6, 2, 3, 32, 24
     bank = make_bank(2, E, H, I, 16, (16, 8), torch.float32, zero=zeroed, device=device)
     x, topk_ids = torch.randn(T, H, device=device), random_topk_ids(T, K, E, device=device)
     lora_ids = torch.tensor([0, 1, 0, 1, 0, 1], device=device)
-    delta = w13_lora_delta(x, topk_ids, lora_ids, bank, use_triton=use_triton)
+    delta = w13_lora_delta(x, topk_ids, lora_ids, bank, **path)
     live_cols = slice(24, 48) if zero_cols.start == 0 else slice(0, 24)
     assert torch.equal(delta[..., zero_cols], torch.zeros(T, K, I, device=device))
     assert delta[..., live_cols].abs().min() > 0  # the other half is there, everywhere
@@ -174,21 +173,46 @@ def test_shared_segments_give_the_same_deltas(device):
     topk_ids, w = random_topk_ids(T, K, E, device=device), random_weights(T, K, device=device)
     lora_ids = torch.randint(-1, 3, (T,), device=device)
     assert lora_segments(topk_ids, lora_ids, bank) is None  # 33 slots: the kernel needs no grouping
-    segments = build_lora_segments(topk_ids, lora_ids, bank)
+    assert lora_segments(topk_ids, lora_ids, bank, per_slot=True) is None
+    segments = lora_segments(topk_ids, lora_ids, bank, per_slot=False)
+    assert torch.equal(segments.slot_to_row, build_lora_segments(topk_ids, lora_ids, bank).slot_to_row)
     assert torch.equal(w13_lora_delta(x, topk_ids, lora_ids, bank, segments=segments),
-                       w13_lora_delta(x, topk_ids, lora_ids, bank))
+                       w13_lora_delta(x, topk_ids, lora_ids, bank, per_slot=True))
     assert torch.equal(w2_lora_delta(act, topk_ids, w, lora_ids, bank, segments=segments),
-                       w2_lora_delta(act, topk_ids, w, lora_ids, bank))
+                       w2_lora_delta(act, topk_ids, w, lora_ids, bank, per_slot=True))
 
 
-@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
-def test_unvalidated_id_outside_bank_gives_zero_rows(use_triton, device):
+@pytest.mark.parametrize("per_slot, grouped", [
+    (True, False),
+    (False, True),  # grouped at a size the choice by bytes runs per slot
+    (None, False),  # by size (per_slot_by_size): these 6 slots stream a few KB
+])
+def test_per_slot_argument_picks_the_kernel_mode(per_slot, grouped, device, monkeypatch):
+    """``per_slot=`` decides the Triton kernel's mode (segments passed or not); the result is right either way."""
+    import moelab.kernels.lora as kernel
+
+    T, K, E, H, I = 3, 2, 4, 32, 16
+    bank = make_bank(2, E, H, I, 8, (8, 4), torch.float32, device=device)
+    x, topk_ids = torch.randn(T, H, device=device), random_topk_ids(T, K, E, device=device)
+    lora_ids = torch.randint(-1, 2, (T,), device=device)
+    assert moelab.lora.per_slot_by_size(T * K, bank)
+    seen, launch = [], kernel.lora_shrink_expand_triton
+    monkeypatch.setattr(kernel, "lora_shrink_expand_triton",
+                        lambda x, a, b, out, segments, **kw: seen.append(segments is not None) or launch(
+                            x, a, b, out, segments, **kw))
+    delta = w13_lora_delta(x, topk_ids, lora_ids, bank, use_triton=True, per_slot=per_slot)
+    assert seen == [grouped]
+    assert_close_to_reference(delta, reference.w13_lora_delta(x, topk_ids, lora_ids, bank), torch.float32)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_unvalidated_id_outside_bank_gives_zero_rows(path, device):
     # validate=False (CUDA graphs): an id >= L reads no memory out of the bank and yields zero rows
     T, K, E, H, I = 4, 2, 3, 16, 16
     bank = make_bank(2, E, H, I, 16, (4, 4), torch.float32, device=device)
     x, topk_ids = torch.randn(T, H, device=device), random_topk_ids(T, K, E, device=device)
     lora_ids = torch.tensor([0, 2, 7, 1], device=device)
-    delta = w13_lora_delta(x, topk_ids, lora_ids, bank, validate=False, use_triton=use_triton)
+    delta = w13_lora_delta(x, topk_ids, lora_ids, bank, validate=False, **path)
     assert torch.equal(delta[1:3], torch.zeros(2, K, 2 * I, device=device))
     assert delta[[0, 3]].abs().min() > 0
 
@@ -211,7 +235,8 @@ def test_triton_deltas_property(T, E, data, L, max_rank, H, I, seed, grouped):
     lora_ids = torch.randint(-1, L, (T,), generator=g).to(dev)
     w = random_weights(T, K, generator=g, device=dev)
     seg = build_lora_segments(topk_ids, lora_ids, bank, local_expert_offset=offset) if grouped else None
-    args = dict(local_expert_offset=offset, segments=seg, use_triton=True, validate=False)  # empty slots: zero rows
+    args = dict(local_expert_offset=offset, segments=seg, use_triton=True, per_slot=not grouped,
+                validate=False)  # empty slots: zero rows
     d13 = w13_lora_delta(x, topk_ids, lora_ids, bank, **args)
     d2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank, **args)
     ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank, local_expert_offset=offset)
@@ -316,7 +341,8 @@ def _bank():
 def _w13(**over):
     args = {"hidden_states": torch.randn(T_, H_), "topk_ids": torch.zeros(T_, K_, dtype=torch.int32) + torch.arange(K_),
             "lora_ids": torch.tensor([0, -1, 1]), "bank": _bank()}
-    kwargs = {k: over.pop(k) for k in ("local_expert_offset", "out", "segments") if k in over}
+    kwargs = {k: over.pop(k) for k in ("local_expert_offset", "out", "segments", "per_slot", "use_triton")
+              if k in over}
     args.update(over)
     return lambda: w13_lora_delta(*args.values(), **kwargs)
 
@@ -360,6 +386,11 @@ def _set(slot=0, **over):
     (_w13(out=torch.empty(T_, K_, I_)), ValueError, "out.*shape"),  # [T, K, I] instead of [T, K, 2I]
     (_w13(segments=build_lora_segments(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1), _bank())), ValueError,
      "segments"),  # grouping of another batch
+    (_w13(per_slot=True, use_triton=False), ValueError, "per_slot: True runs the Triton kernel.*torch fallback"),
+    (_w13(per_slot=True, segments=build_lora_segments(torch.zeros(T_, K_, dtype=torch.int32) + torch.arange(K_),
+                                                      torch.tensor([0, -1, 1]), _bank())),
+     ValueError, "per_slot: True.*takes no segments"),
+    (_w13(per_slot="yes"), TypeError, "per_slot: expected True, False or None"),
     (_w2(act=torch.randn(T_, I_)), ValueError, r"act.*expected shape \[6, 8\]"),  # [T, I] instead of [T*K, I]
     (_w2(topk_weights=torch.rand(T_, K_ + 1)), ValueError, "topk_weights.*shape"),
     (_w2(out=torch.empty(T_, K_, H_, dtype=torch.bfloat16)), TypeError, "out.*dtype"),
@@ -373,8 +404,8 @@ def test_bad_input_raises_naming_the_argument(call, error, match):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("use_triton", PATHS, indirect=True)
-def test_validate_false_has_no_host_sync_and_captures_in_a_cuda_graph(use_triton):
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_validate_false_has_no_host_sync_and_captures_in_a_cuda_graph(path):
     dev = torch.device("cuda")
     T, K, E, H, I = 64, 4, 8, 256, 128
     bank = make_bank(3, E, H, I, 16, (16, 8, 4), torch.bfloat16)
@@ -387,10 +418,10 @@ def test_validate_false_has_no_host_sync_and_captures_in_a_cuda_graph(use_triton
     w = random_weights(T, K, device=dev)
 
     def layer():
-        seg = lora_segments(topk_ids, lora_ids, bank_gpu)
-        d13 = w13_lora_delta(x, topk_ids, lora_ids, bank_gpu, validate=False, segments=seg, use_triton=use_triton)
+        seg = lora_segments(topk_ids, lora_ids, bank_gpu, per_slot=path.get("per_slot"))
+        d13 = w13_lora_delta(x, topk_ids, lora_ids, bank_gpu, validate=False, segments=seg, **path)
         d2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank_gpu, validate=False, segments=seg,
-                           use_triton=use_triton)
+                           **path)
         return d13, d2
 
     eager = layer()  # compiles the kernel outside the checks

@@ -17,7 +17,7 @@ import torch
 
 from moelab.contract import LoRAExpertsCall, RoutedMoECall, RoutedMoEResult
 from moelab.lora import LoRABank, lora_segments, w2_lora_delta, w13_lora_delta
-from moelab.ops import finalize_with_w2_lora, unpermute_activation
+from moelab.ops import _use_triton, finalize_with_w2_lora, unpermute_activation
 from moelab.packing import pack_topk_ids_weights
 
 
@@ -38,8 +38,12 @@ def lora_experts(call: LoRAExpertsCall, routed_moe: Callable[[RoutedMoECall], Ro
         routed_moe(moe_call(None, True))  # writes call.output
         return call.output
     bank, lora_ids, offset = call.lora, call.lora_ids, call.local_expert_offset
-    lora_args = dict(local_expert_offset=offset, validate=False, use_triton=use_triton)
-    segments = lora_segments(ids, lora_ids, bank, local_expert_offset=offset)
+    per_slot = {"flow-per-slot": True, "flow-grouped": False}.get(call.path)  # None: by batch size
+    if per_slot and not _use_triton(x.device, use_triton):
+        raise ValueError("fused: 'flow-per-slot' runs moelab's Triton delta kernel, and this backend's flow runs its "
+                         "torch fallback here; pass fused=False or 'flow-grouped'")
+    lora_args = dict(local_expert_offset=offset, validate=False, use_triton=use_triton, per_slot=per_slot)
+    segments = lora_segments(ids, lora_ids, bank, local_expert_offset=offset, per_slot=per_slot)
     delta = w13_lora_delta(x, ids, lora_ids, bank, segments=segments, **lora_args)
     unfinalized = moe_call(delta, False)
     result = routed_moe(unfinalized)

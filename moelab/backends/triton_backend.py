@@ -236,7 +236,7 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
-    lora = None if call.lora is None else FusedLoRA(call.lora, call.lora_ids.contiguous(), call.fused_mode)
+    lora = None if call.lora is None else FusedLoRA(call.lora, call.lora_ids.contiguous(), call.path)
     if lora is not None and lora.mode == "decode" and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
         raise ValueError(f"fused: the decode mode takes at most {FUSED_DECODE_MAX_SLOTS} slots (T*K), got "
                          f"{call.topk_ids.numel()}; pass fused=True or 'tiles'")

@@ -53,6 +53,7 @@ bank with as many slots as the widest, each mixed variant has its own bank of N 
     moelab triton               the base layer, no LoRA at all (the ratio column divides by this)
     moelab LoRAExperts          moelab.LoRAExperts(w13, w2, lora=bank, backend="triton"), called as a serving
                                 engine would (has_lora known on the host, validate=False); also with all ids -1
+    moelab LoRAExperts [path]   the same with one LoRA path forced, ``fused=path`` (``--lora-paths``)
     moelab LoRA ops [lora-ops]  vLLM's unfused flow from the public pieces: lora_segments, w13_lora_delta,
                                 routed_moe(delta, do_finalize=False), unpermute_activation, w2_lora_delta,
                                 finalize_with_w2_lora
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation", default="silu", choices=["silu", "gelu", "gelu_tanh", "swigluoai"],
                    help="the experts' gated activation (base mode; 'swigluoai': GPT-OSS's clamped SwiGLU) [silu]")
     p.add_argument("--bias", action="store_true", help="random GEMM1 and GEMM2 biases (base mode; GPT-OSS has them)")
+    p.add_argument("--lora-paths", default="auto",
+                   help="comma list of LoRAExperts paths to time: 'auto' (the module's choice) and the names of "
+                        "moelab.experts.LORA_PATHS (tiles, decode, flow-grouped, flow-per-slot), each forced with "
+                        "fused=<name>; a path the bank or T cannot take is skipped [auto]")
     p.add_argument("--ops", action="store_true", help="also unpermute_activation / finalize_with_w2_lora GB/s")
     p.add_argument("--ops-tokens", type=int, default=16384, help="T of --ops [16384]")
     p.add_argument("--impls", default="", help="keep implementations whose name contains one of these words")
@@ -195,6 +200,11 @@ def _finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
 
             parse_variants(args.lora_variants, args.adapters)
         [int(t) for t in args.tokens.split(",") if t.strip()]
+        from moelab.experts import LORA_PATHS
+
+        bad = [p for p in args.lora_paths.split(",") if p not in ("auto",) + LORA_PATHS]
+        if bad:
+            raise ValueError(f"--lora-paths: expected 'auto' or names of {LORA_PATHS}, got {bad}")
     except ValueError as e:
         p.error(str(e))
     return args

@@ -42,14 +42,27 @@ def make_bank(ctx, ranks: list[int]) -> moelab.LoRABank:
     return bank
 
 
-def build_lora_experts(ctx, variant: str):
+def build_lora_experts(ctx, variant: str, path: str | None = None):
     """``moelab.LoRAExperts(..., backend="triton")`` called as a serving engine calls it: ``has_lora`` known on
-    the host, ``validate=False``. Variant ``ids=-1``: every token without an adapter."""
+    the host, ``validate=False``. Variant ``ids=-1``: every token without an adapter. ``path``: one of
+    ``moelab.experts.LORA_PATHS`` forced with ``fused=path`` (None: the module's own choice); a path this bank or
+    batch cannot take is a :class:`Skip`."""
+    from moelab.backends.triton_backend import FUSED_DECODE_MAX_SLOTS
+
     s = ctx.shape
-    mod = moelab.LoRAExperts(ctx.w13, ctx.w2, num_experts=s.E, top_k=s.K, lora=ctx.bank_of(variant),
-                             backend="triton")
+    try:
+        mod = moelab.LoRAExperts(ctx.w13, ctx.w2, num_experts=s.E, top_k=s.K, lora=ctx.bank_of(variant),
+                                 backend="triton", fused=path)
+    except ValueError as e:
+        raise Skip(f"fused={path!r}: {e}") from None
     has_lora = variant != "ids=-1"
-    return lambda st: mod(st.x, st.weights, st.ids, st.lora_ids[variant], has_lora=has_lora, validate=False)
+
+    def fn(st):
+        if path == "decode" and st.ids.numel() > FUSED_DECODE_MAX_SLOTS:
+            raise Skip(f"fused='decode' takes at most {FUSED_DECODE_MAX_SLOTS} slots, got {st.ids.numel()}")
+        return mod(st.x, st.weights, st.ids, st.lora_ids[variant], has_lora=has_lora, validate=False)
+
+    return fn
 
 
 def build_lora_ops(ctx, variant: str):

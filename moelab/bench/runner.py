@@ -315,6 +315,8 @@ class Runner:
             row["median_us"] = median_us(timed, self.device, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms,
                                          cpu_reps=a.cpu_reps, cpu_warmup=0)  # the checked call warmed it
             row["x_floor"] = row["median_us"] / row["floor_us"]
+        except Skip as e:  # this input is outside what the implementation takes (e.g. a forced LoRA path)
+            row["skipped"] = str(e)
         except Exception as e:  # one broken peer must not lose the run; the CLI exits non-zero for it
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             if a.verbose:
@@ -379,8 +381,10 @@ def _lora_impls(ctx: Ctx, variants: list[LoRAVariant]) -> list[Impl]:
            Impl("moelab LoRAExperts", lambda: impls.build_lora_experts(ctx, "ids=-1"), moelab=True, graph=cuda,
                 variant="ids=-1")]
     for v in (v.name for v in variants):
-        out += [Impl("moelab LoRAExperts", lambda v=v: impls.build_lora_experts(ctx, v), moelab=True, graph=cuda,
-                     variant=v),
+        out += [Impl("moelab LoRAExperts" + (f" [{p}]" if p != "auto" else ""),
+                     lambda v=v, p=p: impls.build_lora_experts(ctx, v, None if p == "auto" else p), moelab=True,
+                     graph=cuda, variant=v) for p in ctx.args.lora_paths.split(",")]
+        out += [
                 Impl("moelab LoRA ops", lambda v=v: impls.build_lora_ops(ctx, v), moelab=True, graph=cuda,
                      variant=v, peer="lora-ops"),
                 Impl("unfused LoRA (grouped_mm)", lambda v=v: peers.build_unfused_lora(ctx, v), variant=v,

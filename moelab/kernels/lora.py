@@ -13,9 +13,9 @@ BLOCK_M slots (punica's "segmented" GEMV turned into a tiny grouped GEMM; scatte
 rank-r expert routed like any other).
 
 Small batches skip the grouping (``PER_SLOT``): program s takes slot s alone, reads its adapter and expert
-itself, and streams that pair's A and B. Grouping costs ~25 small torch launches (~100-180 us of a CUDA graph
-on an H200), per-slot streaming ~0.065 us a slot at Qwen3-30B-A3B shapes, so decode runs per slot
-(``moelab.lora.per_slot`` picks; both deltas at T=1: 21 us per slot, 123 us grouped).
+itself, and streams that pair's A and B (``moelab.lora.per_slot_by_size`` picks by the bytes streamed; the deltas'
+``per_slot=`` forces either mode). The crossover was measured when the grouping was ~25 torch launches; it is
+1-3 Triton launches now (``moelab.kernels.segments``) and has not been re-measured (``scripts/device_house.sh``).
 
 Why one fused kernel and not a shrink launch + an expand launch. Per tile, in elements (S slices, r the
 rank, D_in/D_out the input/output widths; W13: S=2, D_in=H, D_out=I; W2: S=1, D_in=I, D_out=H):
