@@ -46,8 +46,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6, host / n * 1e6
 
-    print(f"moelab at {moelab.__file__}; wall / host µs per eager call, {a.calls} back-to-back calls", flush=True)
-    for T in (int(t) for t in a.tokens.split(",")):
+    def row(T: int) -> str:
         x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
         ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).int()
         w = torch.rand(T, K, device=dev)
@@ -62,7 +61,11 @@ def main() -> None:
         for name, f in rows.items():
             wall, host = wall_and_host(f, a.calls if "validate=True" not in name else a.calls // 3)
             cells.append(f"{name} {wall:7.1f} / {host:6.1f}")
-        print(f"T={T:5d}  " + "   ".join(cells), flush=True)
+        return f"T={T:5d}  " + "   ".join(cells)
+
+    print(f"moelab at {moelab.__file__}; wall / host µs per eager call, {a.calls} back-to-back calls", flush=True)
+    for T in (int(t) for t in a.tokens.split(",")):
+        print(row(T), flush=True)
 
 
 if __name__ == "__main__":

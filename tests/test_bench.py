@@ -71,6 +71,20 @@ def test_tiny_lora(tmp_path):
     assert rows[("moelab LoRAExperts", "3x mixed half")]["lora_pairs"] > 0
 
 
+def test_tiny_lora_paths(tmp_path):
+    """``--lora-paths`` times each forced path, checked like the default row; a path the bank cannot take is
+    skipped (the mixed bank is too wide for the fused paths), not an error."""
+    res = bench.run(["--tiny", "--lora", "--lora-variants", "1x all,3x mixed", "--tokens", "2", "--cpu-reps", "1",
+                     "--lora-paths", "tiles,flow-per-slot", "--peers", "none", "--no-ceilings",
+                     "--out", str(tmp_path / "p.json")])
+    rows = {(r["impl"], r["variant"]): r for r in _rows(res, "lora")}
+    for key in [("moelab LoRAExperts [tiles]", "1x all"), ("moelab LoRAExperts [flow-per-slot]", "1x all"),
+                ("moelab LoRAExperts [flow-per-slot]", "3x mixed")]:
+        assert rows[key].get("check") == "ok", rows[key]
+    assert "stacked columns" in rows[("moelab LoRAExperts [tiles]", "3x mixed")]["skipped"]
+    assert ("moelab LoRAExperts", "1x all") not in rows and bench.failures(res) == []
+
+
 def _broken(monkeypatch, how):
     """moelab's naive-loop peer replaced by one that is wrong in the way ``how`` says."""
     good = peers.build_naive
@@ -126,7 +140,8 @@ def test_import_and_base_run_need_no_hf_peft_liger(tmp_path):
 
 def test_bad_flags_name_the_flag(capsys):
     for argv, flag in [(["--peers", "vllm"], "--peers"), (["--lora", "--lora-variants", "8x some"], "--lora-variants"),
-                       (["--shape", "nope"], "shape"), (["--check-tokens", "0"], "--check-tokens")]:
+                       (["--shape", "nope"], "shape"), (["--check-tokens", "0"], "--check-tokens"),
+                       (["--lora", "--lora-paths", "auto,fast"], "--lora-paths")]:
         with pytest.raises(SystemExit) as e:
             bench.run(["--no-ceilings"] + argv)  # (--tiny would replace --shape)
         assert e.value.code == 2 and flag in capsys.readouterr().err, argv
