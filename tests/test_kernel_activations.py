@@ -193,7 +193,8 @@ def test_notebook_02_lesson_holds_for_every_activation(activation, device):
 def test_any_shape(case, T, E, K, H, I, bias, on_input, seed):
     activation, gated = case
     K = min(K, E)
-    p = _problem(activation, gated, bias, False, T=T, E=E, K=K, H=H, I=I, seed=seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (hypothesis takes no function-scoped fixture)
+    p = _problem(activation, gated, bias, False, T=T, E=E, K=K, H=H, I=I, seed=seed, device=device)
     weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton", activation=activation, gated=gated,
                                      w13_bias=p["b13"], w2_bias=p["b2"])
     ref = reference.routed_moe(p["ids"], p["w"], p["x"], p["w13"], p["w2"], activation=activation, gated=gated,
