@@ -159,8 +159,7 @@ def test_fused_lora_bank_composes(activation, mode, device):
 
     def forward(bank_or_none):
         call = LoRAExpertsCall(p["x"], p["ids"], p["w"], weights, E, K, 0, poison(torch.empty_like(p["x"])),
-                               bank_or_none, lora_ids if bank_or_none is not None else None, fused=True,
-                               fused_mode=mode)
+                               bank_or_none, lora_ids if bank_or_none is not None else None, fused=True, path=mode)
         return triton_backend.lora_experts(call)
 
     out, base = forward(bank), forward(None)
