@@ -11,10 +11,11 @@ The activation is *probed*, not guessed from names: the module's own ``_apply_ga
 is run on a grid of values from -12 to 12 and compared with each activation moelab has, with the module's own
 ``alpha``/``limit`` attributes; none matching means :class:`UnsupportedExperts`, never a silent wrong result.
 
-The whole experts computation is one custom op, ``moelab::hf_experts``: ``torch.compile`` sees one opaque node (no
-graph break inside), and the op looks its converted weights up in a cache keyed by the parameters' storage and
-version counters, so the conversion runs once per module and again after the parameters change (training steps,
-``load_state_dict``), with no copy per call and no host sync of its own.
+Under ``torch.compile`` the whole experts computation is one custom op, ``moelab::hf_experts`` (one opaque node, no
+graph break inside); eager calls skip the dispatcher's round trip through Python and run the same function
+directly. Either way the converted weights come from a cache checked against the parameters' identity, storage
+and version counters, so the conversion runs once per module and again after the parameters change (training
+steps, ``load_state_dict``), with no copy per call and no host sync of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from moelab.moe import MoEWeights, prepare_weights, routed_moe
 from moelab.ops import finalize_with_w2_lora, unpermute_activation
 
 __all__ = ["ExpertsSpec", "UnsupportedExperts", "base_experts", "experts_spec", "hf_expert_weights", "experts_forward",
-           "moelab_weights", "resolve_hf_backend", "run_experts"]
+           "moelab_weights", "module_weights", "resolve_hf_backend", "run_experts"]
 
 
 class UnsupportedExperts(ValueError):
@@ -329,24 +330,71 @@ def _hf_experts_fake(hidden_states, *args):
     return torch.empty_like(hidden_states)
 
 
+def _module_params(module: nn.Module, spec: ExpertsSpec) -> tuple:
+    """(first, down, first_bias, down_bias): the HF parameters the op converts (ModuleList experts: their stack,
+    already in moelab's order)."""
+    if isinstance(module, nn.ModuleList):
+        from moelab.hf.modulelist import stacked_weights
+
+        return stacked_weights(module)
+    first = module.gate_up_proj if spec.gated else module.up_proj
+    if not spec.has_bias:
+        return first, module.down_proj, None, None
+    return (first, module.down_proj, getattr(module, "gate_up_proj_bias" if spec.gated else "up_proj_bias"),
+            module.down_proj_bias)
+
+
+def _stacked_spec(spec: ExpertsSpec) -> ExpertsSpec:
+    """The spec of weights already stacked in moelab's order (ModuleList experts)."""
+    return ExpertsSpec(spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.gated, spec.activation,
+                       spec.swiglu_alpha, spec.swiglu_limit, spec.has_bias, False, False)
+
+
+def module_weights(module: nn.Module, spec: ExpertsSpec, backend: str) -> MoEWeights:
+    """The module's converted :class:`moelab.MoEWeights`, cached on the module itself (the eager path's lookup:
+    identity, storage pointer and version counter of its few parameters, no key hashing)."""
+    params = _module_params(module, spec)
+    cached = module.__dict__.get("_moelab_weights")
+    if cached is not None and cached[0] == backend:
+        _, old, versions, ptrs, weights = cached
+        for p, q, v, ptr in zip(params, old, versions, ptrs):
+            if p is not q or (p is not None and (p._version != v or p.data_ptr() != ptr)):
+                break
+        else:
+            return weights
+    weights = moelab_weights(params, _stacked_spec(spec) if isinstance(module, nn.ModuleList) else spec, backend)
+    module.__dict__["_moelab_weights"] = (backend, params, tuple(p._version if p is not None else None for p in params),
+                                          tuple(p.data_ptr() if p is not None else None for p in params), weights)
+    return weights
+
+
 def call_experts_op(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, *, backend: str = "auto", bank: LoRABank | None = None,
                     lora_ids: torch.Tensor | None = None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
-    """Run ``module``'s experts through ``moelab::hf_experts`` (routing weights [T, K], or [T, E] gathered)."""
-    spec = experts_spec(module)
+    """Run ``module``'s experts (routing weights [T, K], or [T, E] gathered).
+
+    Eager: straight to :func:`run_experts` with the weights cached on the module (no dispatcher round trip, no
+    per-call key building). Under ``torch.compile``: one ``moelab::hf_experts`` op, opaque to the compiler.
+    """
+    spec = module.__dict__.get("_moelab_spec") or experts_spec(module)
     if top_k_weights.shape[-1] != top_k_index.shape[-1]:  # dense [T, E] router scores
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
-    first = module.gate_up_proj if spec.gated else module.up_proj
-    first_bias = down_bias = None
-    if spec.has_bias:
-        first_bias = getattr(module, "gate_up_proj_bias" if spec.gated else "up_proj_bias")
-        down_bias = module.down_proj_bias
+    if not torch.compiler.is_compiling():
+        weights = module_weights(module, spec, backend)
+        if not hidden_states.is_contiguous():
+            hidden_states = hidden_states.contiguous()
+        return run_experts(hidden_states, top_k_index, top_k_weights, weights, spec.num_experts, bank=bank,
+                           lora_ids=lora_ids, apply_router_weight_on_input=apply_router_weight_on_input)
+    first, down, first_bias, down_bias = _module_params(module, spec)
+    transposed, interleaved = spec.transposed, spec.interleaved
+    if isinstance(module, nn.ModuleList):
+        transposed = interleaved = False
     nan = float("nan")
     return torch.ops.moelab.hf_experts(
-        hidden_states, top_k_index, top_k_weights, first, module.down_proj, first_bias, down_bias,
+        hidden_states, top_k_index, top_k_weights, first, down, first_bias, down_bias,
         bank.gate_a if bank is not None else None, lora_ids, spec.num_experts, spec.gated, spec.activation,
         nan if spec.swiglu_alpha is None else spec.swiglu_alpha, nan if spec.swiglu_limit is None else
-        spec.swiglu_limit, spec.transposed, spec.interleaved, backend, apply_router_weight_on_input)
+        spec.swiglu_limit, transposed, interleaved, backend, apply_router_weight_on_input)
 
 
 def make_experts_forward(backend: str):

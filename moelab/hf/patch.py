@@ -1,6 +1,7 @@
 """``moelab.patch_model``: run every MoE block of a Hugging Face model on moelab (vLLM's ``MoEMixin`` idea).
 
-The walk finds each MoE block (the parent of an ``experts`` child holding 3-D expert parameters), then for each:
+The walk finds each MoE block (the parent of an ``experts`` child holding 3-D expert parameters, or an
+``nn.ModuleList`` of expert MLPs: see :mod:`moelab.hf.modulelist`), then for each:
 
     experts   the module's forward is replaced, on this instance only, by one ``moelab::hf_experts`` op with the
               layer's LoRA bank; the parameters stay where they are (``save_pretrained`` writes the original
@@ -13,6 +14,11 @@ A router is *recognised* by trying moelab's routing methods (with the config's t
 ``routed_scaling_factor`` and the block's ``e_score_correction_bias``) and keeping the one whose whole-block output
 matches the block's own on a probe batch; nothing matching means external routing (``routing="fused"``: an error).
 Fail closed: a fused forward is only installed after it reproduced the original.
+
+A ModuleList block's own forward loops over its experts, so it cannot hand moelab a top-k: it is fused where its
+router is recognised, else routed by the block's own router *module* (a child returning the top-k ids and weights,
+as transformers' TopKRouter modules do), else left alone with the reason in ``report.skipped``. Every expert MLP
+is first checked against moelab on its stacked weights.
 """
 
 from __future__ import annotations
@@ -213,8 +219,9 @@ def _spec_of(experts: nn.Module, hidden_size: int | None) -> ExpertsSpec:
     if is_experts_class(type(experts)):
         return experts_spec(experts)
     if isinstance(experts, nn.ModuleList):
-        raise UnsupportedExperts("an nn.ModuleList of per-expert MLPs: patch_model runs packed 3-D experts only "
-                                 "(stack them into one experts module first)")
+        from moelab.hf.modulelist import modulelist_spec
+
+        return modulelist_spec(experts)
     first, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if first is None or down is None or first.dim() != 3 or down.dim() != 3:
         raise UnsupportedExperts(f"{type(experts).__name__}: expected gate_up_proj and down_proj 3-D parameters")
@@ -292,22 +299,17 @@ def _candidates(configs, num_experts: int, top_k: int, bias):
     return out
 
 
-def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, method: str, route_args: dict,
-                        top_k: int, shared, shared_gate, returns_logits: bool, flat_output: bool = False):
-    from moelab.routing import route
+def _make_block_forward(layer: MoELayer, experts: nn.Module, routing_fn, shared, shared_gate, returns_logits: bool,
+                        flat_output: bool = False):
+    """The block's new forward: ``routing_fn(x [T, H]) -> (weights [T, K], ids [T, K], logits [T, E])``, then the
+    experts on moelab (+ the shared expert and its sigmoid gate)."""
+    direct = layer.apply_router_weight_on_input or isinstance(experts, nn.ModuleList)
 
     def forward(block, hidden_states, *args, **kwargs):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        bias = getattr(router, "bias", None)
-        logits = nn.functional.linear(x.float(), router.weight.float(), None if bias is None else bias.float())
-        args = dict(route_args)
-        if args.get("correction_bias") is not None:
-            args["correction_bias"] = args["correction_bias"].reshape(-1)
-        # validate=False: no host sync per call (CUDA-graph safe); the model's correction bias is a parameter,
-        # not per-call input
-        weights, ids = route(logits, top_k, method, validate=False, **args)
-        if layer.apply_router_weight_on_input:  # Llama-4's experts take dense inputs: moelab's op directly
+        weights, ids, logits = routing_fn(x)
+        if direct:  # Llama-4's experts take dense inputs, a ModuleList is not callable: moelab directly
             out = layer.forward(experts, x, ids, weights)
         else:  # through the module, so its hooks see the call
             out = experts(x, ids, weights)
@@ -323,6 +325,71 @@ def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, 
         return out
 
     return forward
+
+
+def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, method: str, route_args: dict,
+                        top_k: int, shared, shared_gate, returns_logits: bool, flat_output: bool = False):
+    from moelab.routing import route
+
+    def routing_fn(x):
+        bias = getattr(router, "bias", None)
+        logits = nn.functional.linear(x.float(), router.weight.float(), None if bias is None else bias.float())
+        args = dict(route_args)
+        if args.get("correction_bias") is not None:
+            args["correction_bias"] = args["correction_bias"].reshape(-1)
+        # validate=False: no host sync per call (CUDA-graph safe); the model's correction bias is a parameter,
+        # not per-call input
+        weights, ids = route(logits, top_k, method, validate=False, **args)
+        return weights, ids, logits
+
+    return _make_block_forward(layer, experts, routing_fn, shared, shared_gate, returns_logits, flat_output)
+
+
+def _parse_router_output(out, num_experts: int):
+    """(weights [T, K], ids [T, K], logits [T, E] or None) from a router module's output, or None."""
+    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    ids = next((t for t in tensors if not t.dtype.is_floating_point and t.dim() == 2), None)
+    if ids is None:
+        return None
+    floats = [t for t in tensors if t.dtype.is_floating_point and t.dim() == 2 and t.shape[0] == ids.shape[0]]
+    weights = next((t for t in floats if t.shape[1] == ids.shape[1]), None)
+    logits = next((t for t in floats if t.shape[1] == num_experts and t is not weights), None)
+    if weights is None and logits is not None:  # dense [T, E] scores: gathered at the chosen experts
+        weights = logits
+    return None if weights is None else (weights, ids, logits)
+
+
+def _try_router_module(block, experts, layer, spec, probe, original, tol):
+    """External routing for a block whose experts are not callable (a ModuleList): call the block's own router
+    module (a child returning the top-k ids and weights, as transformers' TopKRouter modules do), verified."""
+    returns_tuple = isinstance(original, tuple)
+    flat_output = (original[0] if returns_tuple else original).dim() == 2
+    shared, shared_gate, _ = _shared_parts(block)
+    x = probe.reshape(-1, spec.hidden_size)
+    for name, child in block.named_children():
+        if name == "experts" or "shared" in name or isinstance(child, nn.Linear):
+            continue
+        try:
+            with torch.no_grad():
+                parsed = _parse_router_output(child(x), spec.num_experts)
+        except Exception:
+            continue
+        if parsed is None or (returns_tuple and parsed[2] is None):
+            continue
+
+        def routing_fn(h, router=child):
+            weights, ids, logits = _parse_router_output(router(h), spec.num_experts)
+            if weights.shape[1] != ids.shape[1]:
+                weights = weights.gather(1, ids.long())
+            return weights, ids, logits
+
+        forward = _make_block_forward(layer, experts, routing_fn, shared, shared_gate, returns_tuple, flat_output)
+        ok, err = _block_close(block, forward, probe, tol)
+        if ok:
+            block.forward = types.MethodType(forward, block)
+            return "external", f"the block's router module {name}" + (", shared expert" if shared is not None else "")
+        return None, f"its router module {name} plus moelab's experts is {err:.1e} from the block's own output"
+    return None, "no router module returning top-k ids and weights"
 
 
 def _block_close(block, fused, probe: torch.Tensor, tol: float) -> tuple[bool, float]:
@@ -341,19 +408,14 @@ def _probe_input(block, hidden_size, device, dtype, router):
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(2, 16, hidden_size, generator=g)
     # logits of O(3): decisive routing, so rounding cannot flip a choice between the two forwards
-    scale = 3.0 / max(router.weight.detach().float().norm(dim=1).mean().item(), 1e-6)
+    scale = 1.0 if router is None else 3.0 / max(router.weight.detach().float().norm(dim=1).mean().item(), 1e-6)
     return (x * scale).to(device=device, dtype=dtype)
 
 
-def _try_fuse(path, block, experts, layer, spec, configs, strict):
-    """Install a verified fused forward on ``block``; returns (routing label, note)."""
+def _try_fuse(path, block, experts, layer, spec, configs, strict, fuse: bool = True):
+    """Install a verified fused forward on ``block`` (ModuleList experts: else the block's own router module);
+    returns (routing label, note)."""
     name, router = _router_of(block, spec.num_experts, spec.hidden_size)
-    if router is None:
-        return None, f"no router with a weight of shape [{spec.num_experts}, {spec.hidden_size}] found"
-    top_k = _config_value(configs, TOP_K_NAMES) or getattr(router, "top_k", None)
-    if not isinstance(top_k, int):
-        return None, "top-k not found in the config"
-    shared, shared_gate, _ = _shared_parts(block)
     device, dtype = spec_device_dtype(experts)
     probe = _probe_input(block, spec.hidden_size, device, dtype, router)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -362,6 +424,22 @@ def _try_fuse(path, block, experts, layer, spec, configs, strict):
             original = block(probe)
     except Exception as e:  # a block that needs more than hidden states (DeepSeek-V4's hash routing: input ids)
         return None, f"the block's forward needs more than hidden states ({type(e).__name__}: {str(e)[:80]})"
+    label, note = None, "routing='external'"
+    if fuse:
+        label, note = _try_fuse_router(block, experts, layer, spec, configs, name, router, probe, original, tol)
+    if label is None and isinstance(experts, nn.ModuleList):
+        label, why = _try_router_module(block, experts, layer, spec, probe, original, tol)
+        note = why if label is not None else f"{note}; {why}"
+    return label, note
+
+
+def _try_fuse_router(block, experts, layer, spec, configs, name, router, probe, original, tol):
+    if router is None:
+        return None, f"no router with a weight of shape [{spec.num_experts}, {spec.hidden_size}] found"
+    top_k = _config_value(configs, TOP_K_NAMES) or getattr(router, "top_k", None)
+    if not isinstance(top_k, int):
+        return None, "top-k not found in the config"
+    shared, shared_gate, _ = _shared_parts(block)
     returns_tuple = isinstance(original, tuple)
     flat_output = (original[0] if returns_tuple else original).dim() == 2
     llama4 = layer.apply_router_weight_on_input
@@ -470,22 +548,39 @@ def patch_model(model: nn.Module, *, backend: str = "auto", routing: str = "auto
             if not _triton_runs(spec):
                 raise ValueError(f"backend: the triton kernels do not run {path}.{child_name} "
                                  f"({spec.describe()}); use backend='torch' or 'auto'")
-        undecorated = not is_experts_class(type(experts))
+        modulelist = isinstance(experts, nn.ModuleList)
+        undecorated = not is_experts_class(type(experts)) and not modulelist
         layer = MoELayer(spec, chosen, selection, ExpertParallelMetadata(spec.num_experts),
                          apply_router_weight_on_input=undecorated)
         experts.__dict__["_moelab_layer"] = layer
-        if not undecorated:  # an undecorated module (Llama-4) takes dense inputs: only the fused forward calls it
+        if modulelist:  # fail closed: every expert's own MLP against moelab on the stacked weights
+            from moelab.hf.modulelist import check_stacked
+
+            try:
+                check_stacked(experts, lambda x, ids, w, e=experts, b=chosen: call_experts_op(e, x, ids, w, backend=b),
+                              1e-4 if spec_device_dtype(experts)[1] == torch.float32 else 3e-2)
+            except UnsupportedExperts as e:
+                experts.__dict__.pop("_moelab_layer", None)
+                report.skipped.append((f"{path}.{child_name}", str(e)))
+                continue
+        elif not undecorated:  # an undecorated module (Llama-4) takes dense inputs: only the fused forward calls it
             experts.forward = types.MethodType(_experts_forward, experts)
         label, note = None, ""
-        if routing != "external" or undecorated:
-            label, note = _try_fuse(path, block, experts, layer, spec, configs, strict=routing == "fused")
-            if label is None and (routing == "fused" or undecorated):
+        if routing != "external" or undecorated or modulelist:
+            label, note = _try_fuse(path, block, experts, layer, spec, configs, strict=routing == "fused",
+                                    fuse=routing != "external")
+            fused = label is not None and label.startswith("fused")
+            if label is None and (routing == "fused" or undecorated or modulelist) or routing == "fused" and not fused:
                 experts.__dict__.pop("forward", None)
                 experts.__dict__.pop("_moelab_layer", None)
+                if label is not None:  # a ModuleList block routed by its router module, but "fused" was asked
+                    block.__dict__.pop("forward", None)
                 if routing == "fused" and not undecorated:
                     raise ValueError(f"routing: 'fused' asked, but the router of {path} ({type(block).__name__}) is "
                                      f"not one moelab recognises: {note}; use routing='auto' or 'external'")
-                report.skipped.append((f"{path}.{child_name}", f"its experts take dense routed inputs and {note}"))
+                why = "its experts take dense routed inputs" if undecorated else \
+                    "its experts are an nn.ModuleList (the block's forward loops over them itself)"
+                report.skipped.append((f"{path}.{child_name}", f"{why} and {note}"))
                 continue
         if label is None:
             label = "external"

@@ -12,6 +12,11 @@ and its delta on an input x is ``s * B_e @ (A_e @ x)`` with ``s = alpha / r`` (`
 in the parameter's own output order: rows ``[gate; up]``, or alternating for GPT-OSS. :func:`expert_factors`
 turns that into a bank slot: gate and up share ``A_e``, their B's are the gate and up rows of ``s * B_e``.
 
+An ``nn.ModuleList`` of expert MLPs (see :mod:`moelab.hf.modulelist`) takes PEFT's ordinary ``target_modules``
+LoRA on its Linear layers (``experts.0.gate_proj``, or a regex over every expert): expert e's ``lora_A.weight
+[r, in]`` and ``scaling * lora_B.weight [out, r]`` go straight into its gate/up/down rows of the bank (an expert or
+projection without LoRA gets zeros). DoRA and ``lora_bias`` raise :class:`AdapterError`.
+
     collect_peft_expert_adapters(peft_model)     every adapter's expert factors, read off PEFT's ParamWrappers
     load_adapter(model, directory, name)         an adapter directory (adapter_config.json + safetensors)
     adapter_ids(model, ids)                      context manager: adapter slot per sequence [B] or token [B, S]
@@ -32,8 +37,8 @@ from torch import nn
 from moelab.hf.experts import register_bank
 from moelab.lora import LoRABank
 
-__all__ = ["AdapterError", "ExpertFactors", "expert_factors", "collect_peft_expert_adapters", "load_adapter",
-           "adapter_ids"]
+__all__ = ["AdapterError", "ExpertFactors", "LinearFactors", "expert_factors", "collect_peft_expert_adapters",
+           "load_adapter", "adapter_ids"]
 
 
 class AdapterError(ValueError):
@@ -45,6 +50,17 @@ class ExpertFactors:
     """One adapter on one experts module: PEFT's flat factors per targeted parameter, scaling not yet applied.
 
     ``params``: parameter name ("gate_up_proj", "up_proj", "down_proj") -> (A [r*E, in], B [out, r*E], scaling).
+    """
+
+    params: dict
+
+
+@dataclass
+class LinearFactors:
+    """One adapter on an ``nn.ModuleList`` of expert MLPs: PEFT's LoRA on their Linear layers.
+
+    ``params``: (expert index, "gate" | "up" | "down") -> (A [r, in], B [out, r], scaling), nn.Linear's
+    orientation (delta = scaling * B @ A @ x); experts or projections without an entry get zeros.
     """
 
     params: dict
@@ -63,6 +79,8 @@ def _split(a: torch.Tensor, b: torch.Tensor, num_experts: int, where: str):
 
 def expert_factors(factors: ExpertFactors, spec, where: str) -> dict:
     """The six ``LoRABank.set`` tensors (scaling folded into B, ranks zero-padded to one r) for one layer."""
+    if isinstance(factors, LinearFactors):
+        return linear_expert_factors(factors, spec, where)
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
     first = "gate_up_proj" if spec.gated else "up_proj"
     unknown = set(factors.params) - {first, "down_proj"}
@@ -106,7 +124,53 @@ def expert_factors(factors: ExpertFactors, spec, where: str) -> dict:
     return out
 
 
+def linear_expert_factors(factors: LinearFactors, spec, where: str) -> dict:
+    """The six ``LoRABank.set`` tensors from per-expert Linear LoRA (scaling folded into B, ranks zero-padded)."""
+    E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    shapes = {"gate": (H, I), "up": (H, I), "down": (I, H)}  # (in, out)
+    for (e, role), (a, b, _) in factors.params.items():
+        d_in, d_out = shapes[role]
+        if not 0 <= e < E or a.dim() != 2 or b.dim() != 2 or a.shape[1] != d_in or b.shape[0] != d_out \
+                or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{where}: expert {e} {role}: expected lora_A [r, {d_in}] and lora_B [{d_out}, r] "
+                               f"for experts {spec.describe()}, got {list(a.shape)} and {list(b.shape)}")
+    rank = max(a.shape[0] for a, _, _ in factors.params.values())
+    out = dict(gate_a=torch.zeros(E, rank, H), gate_b=torch.zeros(E, I, rank), up_a=torch.zeros(E, rank, H),
+               up_b=torch.zeros(E, I, rank), down_a=torch.zeros(E, rank, I), down_b=torch.zeros(E, H, rank))
+    for (e, role), (a, b, scaling) in factors.params.items():
+        r = a.shape[0]
+        out[f"{role}_a"][e, :r] = a.float()
+        out[f"{role}_b"][e, :, :r] = b.float() * scaling
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- from a PeftModel
+
+def _modulelist_wrappers(experts: nn.Module):
+    """[(expert index, "gate" | "up" | "down", PEFT LoRA layer)] of an nn.ModuleList of expert MLPs."""
+    from moelab.hf.modulelist import modulelist_layout
+
+    names = modulelist_layout(experts)
+    if names is None:
+        return []
+    found = []
+    for e, expert in enumerate(experts):
+        for role, name in zip(("gate", "up", "down"), names):
+            layer = getattr(expert, name)
+            if hasattr(layer, "lora_A") and hasattr(layer, "base_layer"):
+                found.append((e, role, layer))
+    return found
+
+
+def _linear_factors(path: str, wrapper, name: str):
+    """(A, B, scaling) of adapter ``name`` on one PEFT LoRA Linear, or an AdapterError for what moelab cannot run."""
+    where = f"PeftModel: adapter {name!r} on {path}"
+    if getattr(wrapper, "use_dora", {}).get(name):
+        raise AdapterError(f"{where}: DoRA (use_dora=True) is not a LoRA moelab's bank can run")
+    if getattr(wrapper, "lora_bias", {}).get(name):
+        raise AdapterError(f"{where}: lora_bias=True is not a LoRA moelab's bank can run")
+    return (wrapper.lora_A[name].weight.detach(), wrapper.lora_B[name].weight.detach(),
+            float(wrapper.scaling[name]))
 
 def _expert_wrappers(module: nn.Module):
     """PEFT ParamWrappers above an HF experts module, outermost first."""
@@ -127,6 +191,10 @@ def collect_peft_expert_adapters(peft_model) -> dict:
         experts = module._modules.get("experts") if hasattr(module, "_modules") else None
         if experts is None:
             continue
+        for e, role, wrapper in _modulelist_wrappers(experts):
+            for name in wrapper.lora_A:
+                entry = adapters.setdefault(name, {}).setdefault(f"{path}.experts", LinearFactors({}))
+                entry.params[(e, role)] = _linear_factors(f"{path}.experts.{e}", wrapper, name)
         chain = _expert_wrappers(experts)
         for wrapper in chain:
             for name in wrapper.lora_A:
@@ -155,7 +223,7 @@ def bypass_expert_wrappers(root: nn.Module) -> None:
     for module in root.modules():
         experts = module._modules.get("experts") if hasattr(module, "_modules") else None
         if experts is not None:
-            for wrapper in _expert_wrappers(experts):
+            for wrapper in _expert_wrappers(experts) + [w for _, _, w in _modulelist_wrappers(experts)]:
                 _bypass(wrapper)
 
 
@@ -219,7 +287,8 @@ def install_adapters(peft_model, root: nn.Module, report, adapters: dict) -> Non
     _install(root, report, {n: a for n, a in adapters.items() if a}, "PeftModel")
     selection = root.__dict__["_moelab_selection"]
     selection.adapters = report.adapters
-    wrappers = [w for _, (_, wrapped) in _layers_by_path(root).items() for w in _expert_wrappers(wrapped)]
+    wrappers = [w for _, (_, wrapped) in _layers_by_path(root).items()
+                for w in _expert_wrappers(wrapped) + [w for _, _, w in _modulelist_wrappers(wrapped)]]
     selection.peft_layer = wrappers[0] if wrappers else None
 
 
