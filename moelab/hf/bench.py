@@ -14,8 +14,10 @@ sequence of T tokens, for:
     peft         grouped_mm + one PEFT LoRA adapter on the experts (``target_parameters``), PEFT's forward
     moelab+lora  the same PeftModel after moelab.patch_model: the adapter runs unmerged in moelab's bank
 
-plus the experts' share of the moelab forward (CUDA events around every experts call) against the same experts
-called alone on the same inputs, and greedy ``generate()`` tokens/s. Every moelab row is checked against HF
+plus the experts' share of the moelab forward (``experts_ms``: CUDA events around every experts call) against the
+layer benchmark's call (``moelab.routed_moe``, as ``python -m moelab.bench`` times it) on the same inputs
+(``layer_ms``), and their ratio ``experts/layer`` (the integration's overhead; the target is <= 1.10), and greedy
+``generate()`` tokens/s. Every moelab row is checked against HF
 (logits relative error). Prints a Markdown table; ``--json`` writes the rows.
 """
 
@@ -92,7 +94,8 @@ def time_call(fn, device, *, warmup: int = 2, iters: int = 5) -> float:
 
 
 class ExpertsTimer:
-    """Records (inputs, CUDA events) around every experts module call, to split the experts' share out."""
+    """Records (module, inputs, start, end) around every experts module call (CUDA events on a GPU, else the host
+    clock), to split the experts' share out of a whole forward."""
 
     def __init__(self, model):
         from moelab.hf.experts import base_experts
@@ -106,48 +109,75 @@ class ExpertsTimer:
 
     def _pre(self, module, args, kwargs):
         if self.enabled:
-            event = torch.cuda.Event(enable_timing=True) if args[0].is_cuda else None
-            if event is not None:
-                event.record()
-            self.calls.append([module, args, event, time.perf_counter(), None, None])
+            self.calls.append([module, args, _stamp(args[0].is_cuda), None])
 
     def _post(self, module, args, output):
         if self.enabled:
-            event = torch.cuda.Event(enable_timing=True) if output.is_cuda else None
-            if event is not None:
-                event.record()
-            self.calls[-1][4], self.calls[-1][5] = event, time.perf_counter()
+            self.calls[-1][3] = _stamp(output.is_cuda)
 
     def seconds(self) -> float:
-        total = 0.0
-        for _, _, start, t0, end, t1 in self.calls:
-            total += start.elapsed_time(end) / 1e3 if start is not None else t1 - t0
-        return total
+        return sum(_elapsed(start, end) for _, _, start, end in self.calls)
 
     def remove(self):
         for h in self.handles:
             h.remove()
 
 
-def experts_share(model, ids, device) -> tuple[float, float]:
-    """(seconds in the experts inside one forward, seconds of the same experts calls made alone)."""
+def _stamp(cuda: bool):
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed(start, end) -> float:
+    return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
+
+
+def experts_share(model, ids, device, iters: int = 5) -> tuple[float, float]:
+    """(seconds in the experts inside one forward, seconds of the same calls made on the layer alone), medians.
+
+    "Alone" is the layer benchmark's call (``moelab.routed_moe``, ``validate=False``, the module's converted
+    weights) on the exact inputs each experts module got inside the forward, stamped the same way (an event pair
+    around each call), so the ratio is the integration's cost: the HF module call, the adapter lookup, the weight
+    cache check and the routing hand-over.
+    """
+    from moelab.hf.experts import experts_spec, module_weights, run_experts
+
     timer = ExpertsTimer(model)
+    inside = []
     with torch.no_grad():
         model(ids)  # warm
-        timer.enabled = True
-        model(ids)
-        _sync(device)
-        timer.enabled = False
-    inside = timer.seconds()
+        for _ in range(iters):
+            timer.calls = []
+            timer.enabled = True
+            model(ids)
+            _sync(device)
+            timer.enabled = False
+            inside.append(timer.seconds())
     calls = [(m, a) for m, a, *_ in timer.calls]
     timer.remove()
-
-    def alone():
-        for module, args in calls:
-            module(*args)
-
+    layers = []
+    for module, (x, top_k_index, top_k_weights, *_) in calls:
+        layer = module.__dict__.get("_moelab_layer")
+        spec = experts_spec(module)
+        weights = module_weights(module, spec, layer.backend if layer is not None else "auto")
+        if top_k_weights.shape[-1] != top_k_index.shape[-1]:
+            top_k_weights = top_k_weights.gather(1, top_k_index.long())
+        layers.append((x.contiguous(), top_k_index, top_k_weights, weights, spec.num_experts))
+    alone = []
     with torch.no_grad():
-        return inside, time_call(alone, device)
+        for i in range(iters + 1):
+            stamps = []
+            for x, top_k_index, top_k_weights, weights, E in layers:
+                start = _stamp(x.is_cuda)
+                run_experts(x, top_k_index, top_k_weights, weights, E)
+                stamps.append((start, _stamp(x.is_cuda)))
+            _sync(device)
+            if i:  # the first round warms
+                alone.append(sum(_elapsed(a, b) for a, b in stamps))
+    return statistics.median(inside), statistics.median(alone)
 
 
 def generate_tokens_per_s(model, prompt, new_tokens: int, device) -> float:
@@ -219,8 +249,9 @@ def run(args) -> list[dict]:
             if name.startswith("moelab") and ref_name in truth:
                 row["rel_err_vs"] = f"{rel_err(logits, truth[ref_name]):.1e} vs {ref_name}"
             if name == "moelab":
-                inside, alone = experts_share(model, ids, device)
-                row["experts_ms"], row["experts_alone_ms"] = inside * 1e3, alone * 1e3
+                inside, alone = experts_share(model, ids, device, iters=args.iters)
+                row["experts_ms"], row["layer_ms"] = inside * 1e3, alone * 1e3
+                row["experts/layer"] = f"{inside / alone:.2f}"
             rows.append(row)
     if args.generate:
         prompt = torch.randint(3, 100, (1, args.prompt), device=device)
@@ -234,7 +265,8 @@ def run(args) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     from moelab.lab import markdown_table
 
-    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "experts_alone_ms", "tokens_per_s", "rel_err_vs"]
+    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "layer_ms", "experts/layer", "tokens_per_s",
+            "rel_err_vs"]
     return markdown_table([{k: row.get(k, "") for k in keys} for row in rows])
 
 
