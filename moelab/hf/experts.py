@@ -332,11 +332,10 @@ def _hf_experts_fake(hidden_states, *args):
 
 def _module_params(module: nn.Module, spec: ExpertsSpec) -> tuple:
     """(first, down, first_bias, down_bias): the HF parameters the op converts (ModuleList experts: their stack,
-    already in moelab's order)."""
-    if isinstance(module, nn.ModuleList):
-        from moelab.hf.modulelist import stacked_weights
-
-        return stacked_weights(module)
+    already in moelab's order, from the function :mod:`moelab.hf.modulelist` leaves on the module)."""
+    stack = module.__dict__.get("_moelab_stacker")
+    if stack is not None:
+        return stack(module)
     first = module.gate_up_proj if spec.gated else module.up_proj
     if not spec.has_bias:
         return first, module.down_proj, None, None

@@ -104,6 +104,7 @@ def modulelist_spec(experts: nn.Module) -> ExpertsSpec:
     spec = ExpertsSpec(E, H, I, True, activation, alpha, limit, has_bias, False, False)
     experts.__dict__["_moelab_spec"] = spec
     experts.__dict__["_moelab_layout"] = names
+    experts.__dict__["_moelab_stacker"] = stacked_weights  # what moelab.hf.experts runs on (no import cycle)
     return spec
 
 

@@ -609,5 +609,5 @@ def unpatch_model(model: nn.Module) -> None:
     """Undo :func:`patch_model` (the HF forwards come back; adapters imported from PEFT stay in moelab's bank
     and are dropped)."""
     for module in model.modules():
-        for name in ("forward", "_moelab_layer"):
+        for name in ("forward", "_moelab_layer", "_moelab_weights", "_moelab_stack"):
             module.__dict__.pop(name, None)
