@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
+from moelab.kernels.launch import CachedLaunchJIT
 
 INTERPRET = tl.constexpr(_runtime.INTERPRET)
 
@@ -27,9 +28,12 @@ def dot_flags(dtype: torch.dtype) -> dict:
 
 
 def jit(fn):
-    """``triton.jit`` for moelab's kernels: the one place that decides how they run (compiled on a GPU; in Triton's
-    interpreter under ``TRITON_INTERPRET=1``, which ``moelab._runtime`` sets where no CUDA GPU is found)."""
-    return triton.jit(fn)
+    """``triton.jit`` for moelab's kernels: the one place that decides how they run (compiled on a GPU, repeated
+    launches through :class:`moelab.kernels.launch.CachedLaunchJIT`; in Triton's interpreter under
+    ``TRITON_INTERPRET=1``, which ``moelab._runtime`` sets where no CUDA GPU is found)."""
+    if _runtime.INTERPRET:
+        return triton.jit(fn)
+    return CachedLaunchJIT(fn)
 
 
 @jit
