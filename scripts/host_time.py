@@ -12,8 +12,9 @@ only), which splits the call into:
 
     moelab      moelab's own Python: checks, host arithmetic, allocations, launcher arguments (before, between
                 and after the launches)
-    dispatch    Triton's ``kernel[grid](...)`` around the compiled launcher: argument binding, specialization,
-                cache key, launch metadata
+    dispatch    ``kernel[grid](...)`` around the compiled launcher: argument binding, specialization, cache key,
+                launch metadata (Triton's ``JITFunction.run``, or ``moelab.kernels.launch.CachedLaunchJIT.run`` where
+                this tree has it: its signature and Triton's ``CompiledKernel[grid]``)
     launch      the compiled launcher itself (scratch allocation and ``cuLaunchKernelEx``)
 
 Medians over the calls, µs. A second pass times the same calls without the wrappers (the wrappers' own cost is
@@ -41,16 +42,23 @@ def _instrument():
     clock = time.perf_counter
     patched = []
 
-    run = jit.JITFunction.run
+    classes = [jit.JITFunction]
+    try:  # moelab's own dispatch in front of Triton's, where this tree has it
+        from moelab.kernels.launch import CachedLaunchJIT
+        classes.append(CachedLaunchJIT)
+    except ImportError:
+        pass
+    for cls in classes:
+        run = cls.__dict__["run"]
 
-    def timed_run(self, *args, **kwargs):
-        events.append(("jit>", self.fn.__name__, clock()))
-        out = run(self, *args, **kwargs)
-        events.append(("jit<", self.fn.__name__, clock()))
-        return out
+        def timed_run(self, *args, _run=run, **kwargs):
+            events.append(("jit>", self.fn.__name__, clock()))
+            out = _run(self, *args, **kwargs)
+            events.append(("jit<", self.fn.__name__, clock()))
+            return out
 
-    jit.JITFunction.run = timed_run
-    patched.append((jit.JITFunction, "run", run))
+        cls.run = timed_run
+        patched.append((cls, "run", run))
     try:
         from triton.backends.nvidia.driver import CudaLauncher
     except ImportError:
@@ -87,8 +95,8 @@ def _split(events: list, start: float, end: float) -> dict:
             if depth == 0:
                 moelab_us += t - last
                 jit_start = t
+                names.append(name)
             depth += 1
-            names.append(name)
         elif what == "run>":
             run_start = t
             if depth == 0:  # a compiled kernel launched without Triton's JIT dispatch
@@ -104,8 +112,8 @@ def _split(events: list, start: float, end: float) -> dict:
                 jit_start = t
         elif what == "jit<":
             depth -= 1
-            dispatch_us += t - jit_start
             if depth == 0:
+                dispatch_us += t - jit_start
                 last = t
     moelab_us += end - last
     return {"moelab": moelab_us * 1e6, "dispatch": dispatch_us * 1e6, "launch": launch_us * 1e6,
