@@ -310,11 +310,18 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 #: The Triton kernel runs one program per slot (finding each slot's group itself, nothing sorted) while the A and B
 #: bytes those programs stream, ``T*K * r * 3(H + I) * itemsize``, stay under this budget; above it the slots are
 #: grouped into segments so each (adapter, expert) pair is read once per tile. ``per_slot=`` of the deltas (and
-#: ``LoRAExperts(fused="flow-per-slot" | "flow-grouped")``) force either. The budget dates from an H200 run at
-#: Qwen3-30B-A3B shapes (rank 16, 4 adapters, both deltas in a CUDA graph) when the grouping was ~25 torch launches
-#: (per slot 138 vs 192 us at T=256, 259 vs 205 us at T=512); the grouping is now 1-3 Triton launches
-#: (``moelab.kernels.segments``) and the crossover has not been measured since (``scripts/device_house.sh`` does).
-PER_SLOT_MAX_BYTES = 800 * 2**20
+#: ``LoRAExperts(fused="flow-per-slot" | "flow-grouped")``) force either. Measured on one H200 on 2026-12-01 (main
+#: ~64c5e1b; bf16 Qwen3-30B-A3B E128 K8 H2048 I768; ``python -m moelab.bench --quick --impls moelab --peers none
+#: --no-ceilings --lora --lora-variants "1x all,8x mixed" --lora-paths auto,flow-grouped,flow-per-slot``), µs in a
+#: CUDA graph, per slot vs grouped (the bytes the per-slot programs would stream):
+#:     8 adapters, ranks 8-64 (r=64): T=32 358 vs 479 (264 MiB), T=128 586 vs 647 (1056 MiB),
+#:                                    T=1024 2343 vs 978 (8448 MiB)
+#:     1 adapter, rank 16:            T=32 312 vs 345 (66 MiB),  T=128 400 vs 403 (264 MiB),
+#:                                    T=1024 942 vs 548 (2112 MiB)
+#: so the crossover lies between 1056 and 2112 MiB; 1.5 GiB (T ~186 for the first bank, ~745 for the second) sits
+#: in the middle. (The budget was 800 MiB, from a run when the grouping was ~25 torch launches; it made the first
+#: bank group at T=128, 7% slower.)
+PER_SLOT_MAX_BYTES = 1536 * 2**20
 
 
 def per_slot_by_size(num_slots: int, bank: LoRABank) -> bool:
@@ -357,7 +364,7 @@ def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank
     """The grouping both deltas of a layer share: build it once, pass it as ``segments=`` to each.
 
     None where the Triton kernel runs one program per slot and needs no grouping (``per_slot`` True, or None and
-    a small batch: :func:`per_slot_by_size`, T up to ~390 at Qwen3-30B-A3B shapes); pass the same ``per_slot``
+    a small batch: :func:`per_slot_by_size`, T up to ~745 at Qwen3-30B-A3B shapes, rank 16); pass the same ``per_slot``
     to the deltas. Otherwise :func:`build_lora_segments`. Arguments as in :func:`w13_lora_delta` (not validated).
     """
     if per_slot if per_slot is not None else per_slot_by_size(topk_ids.numel(), bank):
