@@ -14,7 +14,8 @@ def test_bench_tiny(tmp_path, capsys):
     from moelab.hf import bench
 
     out = tmp_path / "rows.json"
-    assert bench.main(["--tiny", "--tokens", "3", "--iters", "1", "--generate", "2", "--json", str(out)]) == 0
+    assert bench.main(["--tiny", "--tokens", "3", "--iters", "1", "--generate", "2", "--json", str(out),
+                       "--profile", "3"]) == 0
     rows = json.loads(out.read_text())
     impls = {r["impl"] for r in rows if r["T"] == 3}
     assert {"eager", "grouped_mm", "moelab", "peft", "moelab+lora"} <= impls
@@ -26,5 +27,6 @@ def test_bench_tiny(tmp_path, capsys):
     assert float(moelab_row["experts/layer"]) == pytest.approx(moelab_row["experts_ms"] / moelab_row["layer_ms"],
                                                                abs=0.01)
     assert any("tokens_per_s" in r for r in rows)
-    printed = capsys.readouterr().out
-    assert "| moelab |" in printed and "experts/layer" in printed
+    printed = capsys.readouterr()
+    assert "| moelab |" in printed.out and "experts/layer" in printed.out
+    assert "# profile moelab T=3" in printed.err and "# profile grouped_mm T=3" in printed.err

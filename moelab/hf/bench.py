@@ -17,8 +17,11 @@ sequence of T tokens, for:
 plus the experts' share of the moelab forward (``experts_ms``: CUDA events around every experts call) against the
 layer benchmark's call (``moelab.routed_moe``, as ``python -m moelab.bench`` times it) on the same inputs
 (``layer_ms``), and their ratio ``experts/layer`` (the integration's overhead; the target is <= 1.10), and greedy
-``generate()`` tokens/s. Every moelab row is checked against HF
-(logits relative error). Prints a Markdown table; ``--json`` writes the rows.
+``generate()`` tokens/s. Both sides are stamped alike: the device is synchronised before each call's start event,
+so each call is timed from an empty queue (its host launch time included on both sides, no earlier work queued
+in front of it on either). Every forward is timed under ``torch.no_grad()`` (inference). Every moelab row is
+checked against HF (logits relative error). Prints a Markdown table; ``--json`` writes the rows; ``--profile T``
+adds torch.profiler's top device ops of one moelab and one grouped_mm forward at T (the diagnosis of a gap).
 """
 
 from __future__ import annotations
@@ -74,7 +77,12 @@ def _sync(device):
 
 
 def time_call(fn, device, *, warmup: int = 2, iters: int = 5) -> float:
-    """Median seconds of ``fn()`` (CUDA events on a GPU)."""
+    """Median seconds of ``fn()`` under ``torch.no_grad()`` (CUDA events on a GPU)."""
+    with torch.no_grad():
+        return _time_call(fn, device, warmup, iters)
+
+
+def _time_call(fn, device, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -95,7 +103,8 @@ def time_call(fn, device, *, warmup: int = 2, iters: int = 5) -> float:
 
 class ExpertsTimer:
     """Records (module, inputs, start, end) around every experts module call (CUDA events on a GPU, else the host
-    clock), to split the experts' share out of a whole forward."""
+    clock), to split the experts' share out of a whole forward. The device is synchronised before each start stamp,
+    as :func:`experts_share` does for the layer alone."""
 
     def __init__(self, model):
         from moelab.hf.experts import base_experts
@@ -109,6 +118,7 @@ class ExpertsTimer:
 
     def _pre(self, module, args, kwargs):
         if self.enabled:
+            _sync(args[0].device)
             self.calls.append([module, args, _stamp(args[0].is_cuda), None])
 
     def _post(self, module, args, output):
@@ -139,9 +149,10 @@ def experts_share(model, ids, device, iters: int = 5) -> tuple[float, float]:
     """(seconds in the experts inside one forward, seconds of the same calls made on the layer alone), medians.
 
     "Alone" is the layer benchmark's call (``moelab.routed_moe``, ``validate=False``, the module's converted
-    weights) on the exact inputs each experts module got inside the forward, stamped the same way (an event pair
-    around each call), so the ratio is the integration's cost: the HF module call, the adapter lookup, the weight
-    cache check and the routing hand-over.
+    weights) on the exact inputs each experts module got inside the forward, stamped the same way (a device sync,
+    then an event pair around each call: neither side hides its launch time behind queued work), so the ratio is
+    the integration's cost: the HF module call, the adapter lookup, the weight cache check and the routing
+    hand-over.
     """
     from moelab.hf.experts import experts_spec, module_weights, run_experts
 
@@ -171,6 +182,7 @@ def experts_share(model, ids, device, iters: int = 5) -> tuple[float, float]:
         for i in range(iters + 1):
             stamps = []
             for x, top_k_index, top_k_weights, weights, E in layers:
+                _sync(x.device)
                 start = _stamp(x.is_cuda)
                 run_experts(x, top_k_index, top_k_weights, weights, E)
                 stamps.append((start, _stamp(x.is_cuda)))
@@ -253,6 +265,8 @@ def run(args) -> list[dict]:
                 row["experts_ms"], row["layer_ms"] = inside * 1e3, alone * 1e3
                 row["experts/layer"] = f"{inside / alone:.2f}"
             rows.append(row)
+    if args.profile:
+        profile_forward({k: models[k] for k in ("grouped_mm", "moelab") if k in models}, args.profile, base, device)
     if args.generate:
         prompt = torch.randint(3, 100, (1, args.prompt), device=device)
         for name in ("grouped_mm", "eager", "moelab"):
@@ -260,6 +274,27 @@ def run(args) -> list[dict]:
                 rows.append(dict(shape=args.shape, layers=args.layers, T=f"generate {args.generate}", impl=name,
                                  tokens_per_s=generate_tokens_per_s(models[name], prompt, args.generate, device)))
     return rows
+
+
+def profile_forward(models: dict, T: int, base, device, top: int = 15) -> None:
+    """Print (stderr) torch.profiler's ``top`` ops by self device time (CPU time on a CPU) of one no-grad forward
+    of T tokens for each model, with the op count: where one forward spends more than another."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, base.config.vocab_size, (1, T), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for name, model in models.items():
+        with torch.no_grad():
+            model(ids)
+            _sync(device)
+            with profile(activities=activities) as prof:
+                model(ids)
+                _sync(device)
+        events = prof.key_averages()
+        ops = sum(e.count for e in events if e.key.startswith("aten::"))
+        print(f"# profile {name} T={T}: {ops} aten ops\n" + events.table(sort_by=sort, row_limit=top),
+              file=sys.stderr)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -286,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on any device (a smoke run)")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--profile", type=int, default=0, help="T: print torch.profiler's top ops of one moelab and "
+                        "one grouped_mm forward (stderr)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.shape, args.prompt, args.lora_rank = "tiny", 4, min(args.lora_rank, 4)
