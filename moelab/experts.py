@@ -44,7 +44,7 @@ from moelab._checks import (
 )
 from moelab.backends import get_backend
 from moelab.contract import LoRAExpertsCall
-from moelab.lora import LoRABank, check_lora_ids, check_lora_routing
+from moelab.lora import LoRABank, check_ids_once, check_lora_routing
 from moelab.moe import prepare_weights, validate_call
 from moelab.packing import check_routing
 
@@ -182,13 +182,13 @@ class LoRAExperts(nn.Module):
                             lora_ids=lora_ids)
         output = torch.empty(T, self.weights.hidden_size, dtype=hidden_states.dtype, device=hidden_states.device)
         # The checks routed_moe and the deltas make, once, before any launch (the backend trusts its call).
-        check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=validate)
+        check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=False)  # ids: below
         weights = topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
         moe = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
                             self.local_expert_offset, None, True, output, validate=False)
+        if validate:  # expert ids, and adapter ids in [-1, L) naming set slots (fast path or not): one host read
+            check_ids_once(topk_ids, self.num_experts, self.lora, lora_ids)
         if lora_ids is not None:
-            if validate:  # ids in [-1, L) naming set slots, whether or not the fast path runs (one host sync)
-                check_lora_ids(self.lora, lora_ids)
             if has_lora is None and lora_ids.device.type == "cpu":
                 has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
         with_lora = lora_ids is not None and has_lora is not False

@@ -416,14 +416,54 @@ def lora_shrink_expand_torch(x: torch.Tensor, a_banks: list[torch.Tensor], b_ban
 def check_lora_ids(bank: LoRABank, lora_ids: torch.Tensor) -> None:
     """Every adapter id in ``[-1, L)`` and naming a slot that holds an adapter (``bank.ranks[id] > 0``): an id of
     an empty slot would silently give the base output. Reads ``lora_ids`` (one host sync)."""
-    _checks.check_in_range("lora_ids", lora_ids, -1, bank.max_loras, "adapter ids", " (-1 = no adapter)")
-    if lora_ids.numel() == 0:
+    check_ids_once(None, 0, bank, lora_ids)
+
+
+def check_ids_once(topk_ids: torch.Tensor | None, num_experts: int, bank: LoRABank | None = None,
+                   lora_ids: torch.Tensor | None = None) -> None:
+    """The device checks of :func:`moelab.pack_topk_ids_weights` (expert ids in ``[0, num_experts)``, distinct per
+    token; skipped for None) and, with ``lora_ids``, of :func:`check_lora_ids`, in one host read: all that
+    ``LoRAExperts(validate=True)`` costs in syncs. Same errors as those checks; shapes and dtypes are checked by
+    the caller. No ``torch.unique`` or ``bincount`` (each syncs on CUDA by itself): the slots in use are marked
+    with ``index_fill_``."""
+    parts, lora_parts = [], []
+    if topk_ids is not None and topk_ids.numel():
+        ids = topk_ids.long()
+        parts += [ids.min().view(1), ids.max().view(1)]
+        if ids.shape[1] > 1:
+            s = ids.sort(dim=-1).values
+            dup = (s[:, 1:] == s[:, :-1]).any(dim=-1)
+            parts += [dup.any().long().view(1), dup.long().argmax().view(1)]
+    if lora_ids is not None and lora_ids.numel():
+        lids = lora_ids.long()
+        L = bank.max_loras
+        used = torch.zeros(L + 1, dtype=torch.long, device=lids.device)
+        used.index_fill_(0, lids.clamp(-1, L - 1) + 1, 1)  # slot i used -> used[1 + i] = 1
+        lora_parts = [lids.min().view(1), lids.max().view(1), used[1:]]
+    if lora_parts and parts and lora_ids.device != topk_ids.device:  # lora_ids in host memory: read for free
+        vals = torch.cat(parts).tolist() + torch.cat(lora_parts).tolist()
+    elif parts or lora_parts:
+        vals = torch.cat(parts + lora_parts).tolist()  # the one host read
+    else:
         return
-    used = [i for i in torch.unique(lora_ids).tolist() if i >= 0]
-    empty = [i for i in used if bank.ranks[i] == 0]
-    if empty:
-        raise ValueError(f"lora_ids: slots {empty} hold no adapter (bank.ranks = {bank.ranks}); load one with "
-                         f"bank.set({empty[0]}, ...) or use -1 (no adapter) for those tokens")
+    if parts:
+        (lo, hi), vals = vals[:2], vals[2:]
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids: expected expert ids in [0, {num_experts}), got {lo if lo < 0 else hi}")
+        if topk_ids.shape[1] > 1:
+            (has_dup, t), vals = vals[:2], vals[2:]
+            if has_dup:
+                raise ValueError(f"topk_ids: expected distinct expert ids per token, token {t} has "
+                                 f"{topk_ids[t].tolist()}")
+    if vals:
+        (lo, hi), used = vals[:2], vals[2:]
+        if lo < -1 or hi >= bank.max_loras:
+            raise ValueError(f"lora_ids: expected adapter ids in [-1, {bank.max_loras}) (-1 = no adapter), got "
+                             f"{lo if lo < -1 else hi}")
+        empty = [i for i, u in enumerate(used) if u and bank.ranks[i] == 0]
+        if empty:
+            raise ValueError(f"lora_ids: slots {empty} hold no adapter (bank.ranks = {bank.ranks}); load one with "
+                             f"bank.set({empty[0]}, ...) or use -1 (no adapter) for those tokens")
 
 
 def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments=None):

@@ -371,3 +371,39 @@ def test_forced_path_the_backend_cannot_run_raises(device):
     grouped = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused="flow-grouped")
     assert_close_to_reference(grouped(x, w, ids, lora_ids),
                               reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"], torch.float32)
+
+
+#: aten ops that read device data on the host (or size their output by it, which syncs on CUDA).
+SYNCING_OPS = ("_local_scalar_dense", "is_nonzero", "_unique", "unique_", "nonzero", "bincount", "masked_select")
+
+
+@pytest.mark.parametrize("validate, reads", [(False, 0), (True, 1)])
+def test_validate_reads_the_device_at_most_once(validate, reads, device, monkeypatch):
+    """validate=False never reads device data; validate=True reads it once (expert ids in range and distinct,
+    adapter ids in range and naming set slots, all in one read). The backend is stubbed: this is the module's
+    own host work. Fails if a check goes back to torch.unique, bincount or one .tolist() per check."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moelab.backends import get_backend
+
+    T, K, E, H, I = 9, 2, 8, 32, 16
+    x, ids, w, w13, w2, _, adapters = make_problem(T, K, E, H, I, torch.float32, device)
+    bank = make_bank(adapters, E, 0, H, I, 8, torch.float32, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch")
+    lora_ids = torch.tensor([0, 1, 2, -1, 0, 1, 2, -1, 0], device=device)
+    monkeypatch.setattr(get_backend("torch"), "lora_experts", lambda call: call.output)
+    host_reads, syncing = [], []
+    for method in ("tolist", "item", "__bool__"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, _f=original, _m=method: host_reads.append(_m)
+                            or _f(t, *a))
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(name in str(func) for name in SYNCING_OPS):
+                syncing.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Syncs():
+        experts(x, w, ids, lora_ids, has_lora=True, validate=validate)
+    assert (host_reads, syncing) == (["tolist"] * reads, [])
