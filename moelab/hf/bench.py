@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -169,6 +170,8 @@ def experts_share(model, ids, device, iters: int = 5) -> tuple[float, float]:
             inside.append(timer.seconds())
     calls = [(m, a) for m, a, *_ in timer.calls]
     timer.remove()
+    if not calls:  # experts called directly by the block (ModuleList experts, Llama-4): no module hooks fire
+        return math.nan, math.nan
     layers = []
     for module, (x, top_k_index, top_k_weights, *_) in calls:
         layer = module.__dict__.get("_moelab_layer")
@@ -262,8 +265,9 @@ def run(args) -> list[dict]:
                 row["rel_err_vs"] = f"{rel_err(logits, truth[ref_name]):.1e} vs {ref_name}"
             if name == "moelab":
                 inside, alone = experts_share(model, ids, device, iters=args.iters)
-                row["experts_ms"], row["layer_ms"] = inside * 1e3, alone * 1e3
-                row["experts/layer"] = f"{inside / alone:.2f}"
+                if not math.isnan(inside):
+                    row["experts_ms"], row["layer_ms"] = inside * 1e3, alone * 1e3
+                    row["experts/layer"] = f"{inside / alone:.2f}"
             rows.append(row)
     if args.profile:
         profile_forward({k: models[k] for k in ("grouped_mm", "moelab") if k in models}, args.profile, base, device)
