@@ -101,6 +101,16 @@ def triton_can_run(device: torch.device) -> bool:
 DEBUG_DEAD_ROWS: bool = os.environ.get("MOELAB_DEBUG", "0") == "1"
 
 
+def dead_row_fill() -> float:
+    """The value dead and padding rows of permuted buffers hold: NaN under :func:`set_debug`, else 0.0."""
+    return float("nan") if DEBUG_DEAD_ROWS else 0.0
+
+
+def default_device() -> torch.device:
+    """Where moelab runs when no device is named: the current CUDA GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def set_debug(enabled: bool) -> None:
     """Dead rows of permuted outputs become NaN (True) or zeros (False, the default); same as ``MOELAB_DEBUG=1``.
 

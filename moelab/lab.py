@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from moelab import _runtime
+
 __all__ = ["NOTEBOOK_DIR", "find_notebooks", "run_notebook", "main", "resolve_device", "rel_err",
            "markdown_table", "source_excerpt", "Catch", "hunt"]
 
@@ -49,7 +51,7 @@ _REPO_ROOT = NOTEBOOK_DIR.parent
 def resolve_device(name: str = "auto") -> torch.device:
     """The notebooks' ``DEVICE`` parameter: "auto" is the CUDA GPU when there is one, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _runtime.default_device()
     return torch.device(name)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moelab import _runtime
+
 __all__ = ["Shape", "SHAPES", "get_shape", "Ceilings", "H200_CEILINGS", "si", "median_us", "measure_ceilings",
            "expected_touched_experts", "roofline"]
 
@@ -164,9 +166,7 @@ def measure_ceilings(device: torch.device | str | None = None, *, copy_bytes: in
         >>> c.bandwidth > 0 and c.matmul_flops > 0
         True
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = _runtime.default_device() if device is None else torch.device(device)
     cuda = device.type == "cuda"
     copy_bytes = copy_bytes or ((2 << 30) if cuda else (64 << 20))
     matmul_n = matmul_n or (8192 if cuda else 512)

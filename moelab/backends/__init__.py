@@ -20,6 +20,8 @@ import importlib
 
 import torch
 
+from moelab import _runtime
+
 #: Preference order of ``backend="auto"``: the fastest engine that runs here first.
 BACKENDS = ("flashinfer", "triton", "torch")
 
@@ -35,10 +37,6 @@ def get_backend(name: str):
     return _loaded[name]
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Backends that can run on ``device`` (default: the current CUDA device, else the CPU), fastest first.
 
@@ -46,7 +44,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
         >>> "torch" in available_backends("cpu")  # plain PyTorch runs anywhere; "auto" picks the first entry
         True
     """
-    device = _default_device() if device is None else torch.device(device)
+    device = _runtime.default_device() if device is None else torch.device(device)
     return [name for name in BACKENDS if _reason(name, device) is None]
 
 
@@ -60,7 +58,7 @@ def _reason(name: str, device: torch.device) -> str | None:
 
 def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
     """``name`` if it can run on ``device`` ("auto": the first that can), else a ValueError naming one that can."""
-    device = _default_device() if device is None else torch.device(device)
+    device = _runtime.default_device() if device is None else torch.device(device)
     if name == "auto":
         return available_backends(device)[0]
     reason = _reason(name, device)

@@ -183,7 +183,7 @@ def _empty_result(call: RoutedMoECall) -> RoutedMoEResult:
     x, W = call.hidden_states, call.weights
     K, H, I = call.top_k, W.hidden_size, W.intermediate_size
     tile = default_tile(0, K, W.num_local_experts)
-    fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
+    fill = _runtime.dead_row_fill()
 
     def dead_rows(width: int) -> torch.Tensor:
         return torch.full((permuted_rows(0, K, call.num_experts, tile, width), width), fill, dtype=x.dtype,

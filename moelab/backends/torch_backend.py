@@ -64,7 +64,7 @@ def routed_moe(call: RoutedMoECall) -> RoutedMoEResult:
     E_local, H, I = W.num_local_experts, W.hidden_size, W.intermediate_size
     tile = default_tile(T, K, E_local)
     e2p = expanded_to_permuted_torch(ids, call.local_expert_offset, E_local, tile)
-    fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
+    fill = _runtime.dead_row_fill()
     act_perm = torch.full((permuted_rows(T, K, call.num_experts, tile, I), I), fill, dtype=x.dtype, device=x.device)
     gemm2 = torch.full((permuted_rows(T, K, call.num_experts, tile, H), H), fill, dtype=x.dtype, device=x.device)
     local_expert = local_expert_of_slot(ids, call.local_expert_offset)

@@ -29,15 +29,12 @@ from moelab.backends import lora_flow
 from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.kernels import fused_lora
 from moelab.kernels.finalize import finalize_triton
-from moelab.kernels.moe_gemm import CONFIG_FILE, GemmConfig, choose_config, gemm1_swiglu, gemm2
+from moelab.kernels.moe_gemm import GemmConfig, choose_config, gemm1_swiglu, gemm2
 from moelab.kernels.segments import MAX_CHUNK, build_segments_triton
 from moelab.lora import LoRABank
 from moelab.permutation import max_live_rows
 
 __all__ = ["GemmConfig", "choose_config", "routed_moe", "lora_experts", "fused_lora_reason"]
-
-_CONFIG_FILE = CONFIG_FILE  # the name scripts/tune_moe.py writes to
-
 
 def unavailable_reason(device: torch.device) -> str | None:
     if not _runtime.HAS_TRITON:
@@ -128,7 +125,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
-    dead_fill = float("nan") if _runtime.DEBUG_DEAD_ROWS else 0.0
+    dead_fill = _runtime.dead_row_fill()
     # The GEMM grids cover the rows live data can reach (the segments' rows); FlashInfer's 128 KiB floor can make a
     # buffer taller (tiny H or I, decode): that tail is filled here instead of by thousands of do-nothing programs.
     if act_rows > reach:

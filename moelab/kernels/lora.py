@@ -41,10 +41,11 @@ delta) and cost one more launch; here the zero rows cost only their own store.
 
 Precision (docs/contract.md §5, vLLM's ``fused_moe_lora``): the shrink accumulates in fp32 and the rank vector is
 rounded to the input dtype; the expand accumulates in fp32; W2 multiplies the routing weight in fp32, then rounds.
-bf16/fp16 operands go to ``tl.dot`` as they are on a GPU. In Triton's interpreter ``DOT_F32`` upcasts them to
-fp32 first, because the interpreter multiplies raw bf16 bits (triton issue 11584), and every fp32 -> bf16
-rounding goes through ``_common.to_output`` (the interpreter truncates); the values are the same, so results
-match the GPU's. fp32 inputs use ``input_precision="ieee"`` (TF32 would miss 1e-5).
+bf16/fp16 operands go to ``tl.dot`` as they are on a GPU. ``DOT_F32`` and ``DOT_PRECISION`` are
+``_common.dot_flags``'s, as in every moelab kernel: in Triton's interpreter ``DOT_F32`` upcasts the operands to
+fp32 first (fp32 ones always, a no-op), because the interpreter multiplies raw bf16 bits (triton issue 11584),
+and every fp32 -> bf16 rounding goes through ``_common.to_output`` (the interpreter truncates); the values are
+the same, so results match the GPU's. fp32 inputs use ``input_precision="ieee"`` (TF32 would miss 1e-5).
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from moelab import _runtime
-from moelab.kernels._common import jit, shrink_step, to_output
+from moelab.kernels._common import dot_flags, jit, shrink_step, to_output
 from moelab.permutation import Segments, next_pow2
 
 __all__ = ["lora_shrink_expand_triton"]
@@ -66,7 +66,7 @@ def _pow2_block(n: int, low: int, high: int) -> int:
 @jit
 def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                  DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[m, n] = (weight[m]) * sum_r rank_vec[m, r] * B[n, r], for n in [0, D_out), BLOCK_N at a time."""
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
@@ -79,7 +79,7 @@ def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
                       other=0.0)
         if DOT_F32:
             b_t = b_t.to(tl.float32)
-        acc = tl.dot(rank_vec, b_t, input_precision=INPUT_PRECISION)
+        acc = tl.dot(rank_vec, b_t, input_precision=DOT_PRECISION)
         if MUL_WEIGHT:
             acc = acc * weight[:, None]
         tl.store(out_rows_ptr[:, None] + cols[None, :], to_output(acc, out_rows_ptr.dtype.element_ty),
@@ -93,7 +93,7 @@ def _lora_shrink_expand_kernel(
     stride_x_row, slots_per_input_row, D_in, D_out, rank, zero_group,
     NUM_SLICES: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SLOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per tile of BLOCK_M permuted rows; all its rows share ``group`` = (adapter, local expert).
 
@@ -139,7 +139,7 @@ def _lora_shrink_expand_kernel(
             x = tl.load(x_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             a_offs = bank_a + offs_r[None, :] * D_in + ks[:, None]  # the [BLOCK_K, BLOCK_R] tile of A^T
             acc0, acc1 = shrink_step(x, a0_ptr, a1_ptr, a_offs, k_mask[:, None] & r_mask[None, :], acc0, acc1,
-                                     NUM_SLICES, DOT_F32, INPUT_PRECISION)
+                                     NUM_SLICES, DOT_F32, DOT_PRECISION)
         weight = tl.zeros([BLOCK_M], dtype=tl.float32)
         if MUL_WEIGHT:
             weight = tl.load(weight_ptr + slot64, mask=row_mask, other=0.0).to(tl.float32)
@@ -149,13 +149,13 @@ def _lora_shrink_expand_kernel(
             rank_vec = rank_vec.to(tl.float32)
         bank_b = group.to(tl.int64) * D_out * rank
         _expand_store(rank_vec, b0_ptr + bank_b, out_rows, row_mask, weight, D_out, rank,
-                      BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, INPUT_PRECISION)
+                      BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, DOT_PRECISION)
         if NUM_SLICES == 2:
             rank_vec = to_output(acc1, x_ptr.dtype.element_ty)
             if DOT_F32:
                 rank_vec = rank_vec.to(tl.float32)
             _expand_store(rank_vec, b1_ptr + bank_b, out_rows + D_out, row_mask, weight, D_out, rank,
-                          BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, INPUT_PRECISION)
+                          BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, DOT_PRECISION)
 
 
 def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
@@ -189,7 +189,6 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
         row_to_slot, block_group = segments.row_to_slot, segments.block_group
     if grid == 0:
         return out
-    fp32_operands = x.dtype == torch.float32 or _runtime.INTERPRET
     a1, b1 = (a_banks[1], b_banks[1]) if num_slices == 2 else (a_banks[0], b_banks[0])
     _lora_shrink_expand_kernel[(grid,)](
         x, a_banks[0], a1, b_banks[0], b1, out, weight if weight is not None else out, row_to_slot, block_group,
@@ -198,8 +197,7 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
         NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None, PER_SLOT=per_slot,
         BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, block_k), BLOCK_N=_pow2_block(d_out, 16, block_n),
         BLOCK_R=_pow2_block(rank, 16, 1 << 30),
-        DOT_F32=_runtime.INTERPRET and x.dtype != torch.float32,
-        INPUT_PRECISION="ieee" if fp32_operands else "tf32",
+        **dot_flags(x.dtype),
         num_warps=4,
     )
     return out
