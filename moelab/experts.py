@@ -57,7 +57,11 @@ __all__ = ["LoRAExperts"]
 #:     "flow-grouped"   vLLM's unfused flow, the delta kernel over tiles grouped by (adapter, expert)
 #:     "flow-per-slot"  vLLM's unfused flow, the delta kernel one program per slot (no grouping; Triton only)
 #: Left to itself (None) the module takes the fused path where its backend has one, the flow elsewhere, and the
-#: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel).
+#: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel). Each path is the fastest
+#: somewhere on an H200 (BENCHMARKS.md, "LoRA paths"): decode for a fusable bank up to 1024 slots, tiles above;
+#: for a bank too wide to fuse, per slot at small batches, grouped at large ones. The measured crossovers stand at
+#: the constants that choose: ``MAX_FUSED_LORA_COLUMNS`` and ``FUSED_DECODE_MAX_SLOTS`` of
+#: ``moelab.backends.triton_backend``, ``moelab.lora.PER_SLOT_MAX_BYTES``.
 LORA_PATHS = ("tiles", "decode", "flow-grouped", "flow-per-slot")
 FUSED_MODES = LORA_PATHS[:2]
 
