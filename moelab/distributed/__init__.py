@@ -6,6 +6,10 @@
     check_expert_map, replica_maps, default_expert_map   placement helpers
     spawn_ranks, init_from_env start R local ranks (gloo/NCCL), or join torchrun's group
 
+Leave a group together: every rank calls ``dist.barrier()`` before ``dist.destroy_process_group()``. On gloo a rank
+that tears down its connections while a peer is still finishing the last collective can abort that peer at exit
+("terminate called without an active exception"); ``spawn_ranks`` does it for its ranks.
+
 ``import moelab`` does not import this package; ``moelab.distributed`` (attribute access) or
 ``import moelab.distributed`` does.
 """
