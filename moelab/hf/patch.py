@@ -13,7 +13,9 @@ The walk finds each MoE block (the parent of an ``experts`` child holding 3-D ex
 A router is *recognised* by trying moelab's routing methods (with the config's top-k, ``n_group``/``topk_group``,
 ``routed_scaling_factor`` and the block's ``e_score_correction_bias``) and keeping the one whose whole-block output
 matches the block's own on a probe batch; nothing matching means external routing (``routing="fused"``: an error).
-Fail closed: a fused forward is only installed after it reproduced the original.
+Fail closed: a fused forward is only installed after it reproduced the original. The replaced forwards hold the
+attribute paths of the experts, router, shared expert and correction bias, looked up on the block at each call, so a
+``copy.deepcopy`` of a patched model (or a block whose submodules are swapped later) runs its own weights.
 
 A ModuleList block's own forward loops over its experts, so it cannot hand moelab a top-k: it is fused where its
 router is recognised, else routed by the block's own router *module* (a child returning the top-k ids and weights,
@@ -261,12 +263,31 @@ def _router_of(block: nn.Module, num_experts: int, hidden_size: int):
 
 
 def _correction_bias(block: nn.Module, num_experts: int):
-    for module in [block] + list(block.modules()):
+    """(attribute path from the block, tensor) of the block's routing correction bias, or (None, None)."""
+    for path, module in block.named_modules():
         for name in ("e_score_correction_bias", "expert_bias"):
             b = getattr(module, name, None)
             if isinstance(b, torch.Tensor) and b.numel() == num_experts:
-                return b
-    return None
+                return f"{path}.{name}".lstrip("."), b
+    return None, None
+
+
+def _path_in(block: nn.Module, module: nn.Module | None) -> tuple[str, ...] | None:
+    """The attribute names leading from ``block`` to its submodule ``module`` (None for None)."""
+    if module is None:
+        return None
+    for path, sub in block.named_modules():
+        if sub is module:
+            return tuple(path.split(".")) if path else ()
+    raise ValueError(f"{type(module).__name__} is not a submodule of {type(block).__name__}")
+
+
+def _lookup(block: nn.Module, names: tuple[str, ...]):
+    """``block.<names[0]>.<names[1]>...`` at call time: the patched forward holds names, never modules or tensors,
+    so a ``copy.deepcopy`` of the model (or a submodule swapped in later) runs its own weights."""
+    for name in names:
+        block = getattr(block, name)
+    return block
 
 
 def _shared_parts(block: nn.Module):
@@ -300,23 +321,27 @@ def _candidates(configs, num_experts: int, top_k: int, bias):
 
 
 def _make_block_forward(layer: MoELayer, experts: nn.Module, routing_fn, shared, shared_gate, returns_logits: bool,
-                        flat_output: bool = False):
-    """The block's new forward: ``routing_fn(x [T, H]) -> (weights [T, K], ids [T, K], logits [T, E])``, then the
-    experts on moelab (+ the shared expert and its sigmoid gate)."""
+                        flat_output: bool = False, block: nn.Module | None = None):
+    """The block's new forward: ``routing_fn(block, x [T, H]) -> (weights [T, K], ids [T, K], logits [T, E])``,
+    then the experts on moelab (+ the shared expert and its sigmoid gate). ``experts``, ``shared`` and
+    ``shared_gate`` are submodules of ``block``: the forward keeps their attribute paths and looks them up on the
+    block it is called on (``layer``: the experts' own ``_moelab_layer``), never the modules themselves."""
     direct = layer.apply_router_weight_on_input or isinstance(experts, nn.ModuleList)
+    experts_path, shared_path, gate_path = (_path_in(block, m) for m in (experts, shared, shared_gate))
 
     def forward(block, hidden_states, *args, **kwargs):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        weights, ids, logits = routing_fn(x)
+        weights, ids, logits = routing_fn(block, x)
+        experts = _lookup(block, experts_path)
         if direct:  # Llama-4's experts take dense inputs, a ModuleList is not callable: moelab directly
-            out = layer.forward(experts, x, ids, weights)
+            out = experts.__dict__["_moelab_layer"].forward(experts, x, ids, weights)
         else:  # through the module, so its hooks see the call
             out = experts(x, ids, weights)
-        if shared is not None:
-            s = shared(x)
-            if shared_gate is not None:
-                s = torch.sigmoid(shared_gate(x)) * s
+        if shared_path is not None:
+            s = _lookup(block, shared_path)(x)
+            if gate_path is not None:
+                s = torch.sigmoid(_lookup(block, gate_path)(x)) * s
             out = out + s
         if not flat_output:  # Llama-4's block returns [T, H]; the others the input's shape
             out = out.reshape(shape)
@@ -327,22 +352,30 @@ def _make_block_forward(layer: MoELayer, experts: nn.Module, routing_fn, shared,
     return forward
 
 
-def _make_fused_forward(layer: MoELayer, experts: nn.Module, router: nn.Module, method: str, route_args: dict,
-                        top_k: int, shared, shared_gate, returns_logits: bool, flat_output: bool = False):
+def _make_fused_forward(block: nn.Module, layer: MoELayer, experts: nn.Module, router: nn.Module, method: str,
+                        route_args: dict, top_k: int, shared, shared_gate, returns_logits: bool,
+                        flat_output: bool = False, bias_path: str | None = None):
     from moelab.routing import route
 
-    def routing_fn(x):
+    router_path = _path_in(block, router)
+    route_args = dict(route_args)
+    bias_names = None
+    if route_args.pop("correction_bias", None) is not None:  # looked up per call, as the modules are
+        bias_names = tuple(bias_path.split("."))
+
+    def routing_fn(block, x):
+        router = _lookup(block, router_path)
         bias = getattr(router, "bias", None)
         logits = nn.functional.linear(x.float(), router.weight.float(), None if bias is None else bias.float())
-        args = dict(route_args)
-        if args.get("correction_bias") is not None:
-            args["correction_bias"] = args["correction_bias"].reshape(-1)
+        args = route_args
+        if bias_names is not None:
+            args = dict(route_args, correction_bias=_lookup(block, bias_names).reshape(-1))
         # validate=False: no host sync per call (CUDA-graph safe); the model's correction bias is a parameter,
         # not per-call input
         weights, ids = route(logits, top_k, method, validate=False, **args)
         return weights, ids, logits
 
-    return _make_block_forward(layer, experts, routing_fn, shared, shared_gate, returns_logits, flat_output)
+    return _make_block_forward(layer, experts, routing_fn, shared, shared_gate, returns_logits, flat_output, block)
 
 
 def _parse_router_output(out, num_experts: int):
@@ -377,13 +410,14 @@ def _try_router_module(block, experts, layer, spec, probe, original, tol):
         if parsed is None or (returns_tuple and parsed[2] is None):
             continue
 
-        def routing_fn(h, router=child):
-            weights, ids, logits = _parse_router_output(router(h), spec.num_experts)
+        def routing_fn(block, h, router_name=name):
+            weights, ids, logits = _parse_router_output(getattr(block, router_name)(h), spec.num_experts)
             if weights.shape[1] != ids.shape[1]:
                 weights = weights.gather(1, ids.long())
             return weights, ids, logits
 
-        forward = _make_block_forward(layer, experts, routing_fn, shared, shared_gate, returns_tuple, flat_output)
+        forward = _make_block_forward(layer, experts, routing_fn, shared, shared_gate, returns_tuple, flat_output,
+                                      block)
         ok, err = _block_close(block, forward, probe, tol)
         if ok:
             block.forward = types.MethodType(forward, block)
@@ -443,14 +477,16 @@ def _try_fuse_router(block, experts, layer, spec, configs, name, router, probe, 
     returns_tuple = isinstance(original, tuple)
     flat_output = (original[0] if returns_tuple else original).dim() == 2
     llama4 = layer.apply_router_weight_on_input
+    bias_path = None
     if llama4:
         candidates = [("llama4", {})] if top_k == 1 else []
     else:
-        candidates = _candidates(configs, spec.num_experts, top_k, _correction_bias(block, spec.num_experts))
+        bias_path, bias = _correction_bias(block, spec.num_experts)
+        candidates = _candidates(configs, spec.num_experts, top_k, bias)
     errors = []
     for method, route_args in candidates:
-        fused = _make_fused_forward(layer, experts, router, method, route_args, top_k, shared, shared_gate,
-                                    returns_tuple, flat_output)
+        fused = _make_fused_forward(block, layer, experts, router, method, route_args, top_k, shared, shared_gate,
+                                    returns_tuple, flat_output, bias_path)
         try:
             ok, err = _block_close(block, fused, probe, tol)
         except Exception as e:  # a method whose arguments this router cannot take (e.g. top_k > kept experts)
