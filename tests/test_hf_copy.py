@@ -88,3 +88,16 @@ def test_deepcopy_of_patched_model_runs_its_own_modules(family):
 def test_deepcopy_of_patched_modulelist_model_runs_its_own_modules():
     model, _ = modulelist_lm("qwen2_moe")
     _check_copy(model.float().eval(), "qwen2_moe (ModuleList)")
+
+
+def test_deepcopy_of_a_layer_registers_its_own_lora_bank():
+    """The compiled path finds a layer's LoRA bank by its ``gate_a``: a copied layer's bank must be found too."""
+    from moelab.hf.experts import _bank_of, register_bank
+    from moelab.hf.patch import AdapterSelection, MoELayer
+
+    layer = MoELayer(None, "torch", AdapterSelection(), None)
+    layer.bank = moelab.LoRABank(1, num_local_experts=4, hidden_size=8, intermediate_size=4, max_rank=2)
+    register_bank(layer.bank)
+    clone = copy.deepcopy(layer)
+    assert clone.bank is not layer.bank and clone.bank.gate_a.data_ptr() != layer.bank.gate_a.data_ptr()
+    assert _bank_of(clone.bank.gate_a) is clone.bank and _bank_of(layer.bank.gate_a) is layer.bank

@@ -39,6 +39,7 @@ from moelab.hf.experts import (
     base_experts,
     call_experts_op,
     experts_spec,
+    register_bank,
     resolve_hf_backend,
 )
 from moelab.hf.tiny import is_experts_class
@@ -177,6 +178,13 @@ class MoELayer:
         self.spec, self.backend, self.selection, self.metadata = spec, backend, selection, metadata
         self.bank = None
         self.apply_router_weight_on_input = apply_router_weight_on_input
+
+    def __setstate__(self, state):
+        """A copy (``copy.deepcopy`` of the model, pickle) registers its own LoRA bank, which the compiled path's
+        ``moelab::hf_experts`` op finds by its ``gate_a``."""
+        self.__dict__.update(state)
+        if self.bank is not None:
+            register_bank(self.bank)
 
     def forward(self, experts: nn.Module, hidden_states, top_k_index, top_k_weights, **kwargs):
         if top_k_index is None:
