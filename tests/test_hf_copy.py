@@ -39,8 +39,8 @@ def _logits(model):
 
 def _change(model) -> int:
     """Change every MoE weight, by name (the same on a patched and an unpatched model): experts x2 rebinding their
-    ``.data`` (new storage, same version counter: what ``model.to()`` does), shared experts x2, routers x1.5 and
-    correction biases + noise in place. Returns how many tensors changed."""
+    ``.data`` (new storage, same version counter: what ``model.to()`` does), shared experts x2 and routers x1.5 in
+    place, correction biases + noise (a buffer: a new tensor, as ``model.to()`` makes). Returns how many changed."""
     g = torch.Generator().manual_seed(11)
     changed = 0
     with torch.no_grad():
@@ -52,7 +52,12 @@ def _change(model) -> int:
             elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
                 t.mul_(1.5)
             elif name.endswith(("e_score_correction_bias", "expert_bias")):
-                t.add_(0.05 * torch.randn(t.shape, generator=g))
+                owner, _, attr = name.rpartition(".")
+                owner = model.get_submodule(owner)
+                if attr in owner._buffers:  # a new tensor, as model.to() makes for buffers
+                    owner._buffers[attr] = t + 0.05 * torch.randn(t.shape, generator=g)
+                else:
+                    t.add_(0.05 * torch.randn(t.shape, generator=g))
             else:
                 continue
             changed += 1
