@@ -82,6 +82,10 @@ def test_experts_module(family, cls):
     assert rel_err(out, ref) < 1e-5, f"{family}: moelab vs float64 reference {rel_err(out, ref):.2e}"
 
 
+#: Where the triton tests run: compiled on a CUDA GPU, else in Triton's interpreter on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(ids).logits
@@ -135,8 +139,8 @@ TRITON_FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v3", "granitemoe"]
 
 @pytest.mark.parametrize("family", TRITON_FAMILIES)
 def test_triton_bf16_logits(family):
-    model = tiny_causal_lm(family, dtype=torch.bfloat16)
-    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    model = tiny_causal_lm(family, dtype=torch.bfloat16).to(DEVICE)  # triton: a GPU, else the CPU interpreter
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     eager = _logits(model, ids)
     patched = copy.deepcopy(model)
     report = moelab.patch_model(patched, backend="triton")
@@ -182,8 +186,8 @@ def test_triton_gpt_oss():
     """GPT-OSS (clamped SwiGLU, biases, interleaved gate/up) on the triton backend: its kernels fuse the activation
     and the biases, so patch_model keeps it there (the other activations: tests/test_kernel_activations.py)."""
     family = "gpt_oss"
-    model = tiny_causal_lm(family, dtype=torch.bfloat16)
-    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    model = tiny_causal_lm(family, dtype=torch.bfloat16).to(DEVICE)  # triton: a GPU, else the CPU interpreter
+    ids = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     eager = _logits(model, ids)
     patched = copy.deepcopy(model)
     report = moelab.patch_model(patched, backend="triton")
