@@ -20,9 +20,13 @@ TORCH_PIN = "torch==$$($(PY) -c 'from importlib.metadata import version; print(v
 
 .PHONY: lab test lint browser-deps clean
 
+# A venv made by a Python that runs in a venv itself (a CUDA torch often lives in one) sees, with
+# --system-site-packages, the base installation's site-packages but not that venv's: a .pth file adds them.
+OUTER_VENV_PTH = $(PYTHON) -c 'import site, sys; sys.prefix == sys.base_prefix or open(sys.argv[1] + "/outer-venv.pth", "w").write("\n".join(site.getsitepackages()) + "\n")' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+
 # The extras are installed with the torch already in the venv pinned, so none can swap it for a (CUDA) build.
 $(VENV)/.lab: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	test -x $(PY) || { $(PYTHON) -m venv $(VENV_FLAGS) $(VENV) $(if $(findstring --system-site-packages,$(VENV_FLAGS)),&& $(OUTER_VENV_PTH)); }
 	$(if $(strip $(TORCH)),$(PIP) $(TORCH) $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX)))
 	$(PIP) -e ".[$(LAB_EXTRAS)]" $(TORCH_PIN)
 	touch $@
