@@ -1,6 +1,7 @@
 # The two set-up commands of the README: `make lab` (the main job) and `make test` (the whole suite).
 # Each creates .venv when it is missing; `make lab` installs what the notebooks need (the `lab` extra), `make test`
-# adds the test set (the `test` extra, FlashInfer's Python package among it) and Debian's Chromium when missing.
+# adds the test set (the `test` extra, FlashInfer's Python package among it) and a browser when none is there
+# (Debian's Chromium as root, else Qt WebEngine from PyPI: see browser-deps).
 # By default the venv gets the CPU build of torch (from local disk where a wheel lies there).
 # GPU users keep their own CUDA torch:  make lab VENV_FLAGS=--system-site-packages TORCH=
 PYTHON ?= python3
@@ -19,9 +20,13 @@ TORCH_PIN = "torch==$$($(PY) -c 'from importlib.metadata import version; print(v
 
 .PHONY: lab test lint browser-deps clean
 
+# A venv made by a Python that runs in a venv itself (a CUDA torch often lives in one) sees, with
+# --system-site-packages, the base installation's site-packages but not that venv's: a .pth file adds them.
+OUTER_VENV_PTH = $(PYTHON) -c 'import site, sys; sys.prefix == sys.base_prefix or open(sys.argv[1] + "/outer-venv.pth", "w").write("\n".join(site.getsitepackages()) + "\n")' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+
 # The extras are installed with the torch already in the venv pinned, so none can swap it for a (CUDA) build.
 $(VENV)/.lab: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	test -x $(PY) || { $(PYTHON) -m venv $(VENV_FLAGS) $(VENV) $(if $(findstring --system-site-packages,$(VENV_FLAGS)),&& $(OUTER_VENV_PTH)); }
 	$(if $(strip $(TORCH)),$(PIP) $(TORCH) $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX)))
 	$(PIP) -e ".[$(LAB_EXTRAS)]" $(TORCH_PIN)
 	touch $@
@@ -43,10 +48,12 @@ lint: $(VENV)/.test
 clean:
 	rm -rf $(VENV) build
 
-# Debian's Chromium for the browser test (Playwright drives it; no browser download). Installed with apt when
-# missing: as root directly, else through sudo when it asks no password. Anyone else: install the `chromium`
-# package once, or point MOELAB_CHROMIUM at a Chromium or Chrome binary (tests/test_browser.py uses it).
-browser-deps:
+# The browser test's browser, from the package registries only (no browser download). Debian's Chromium when no
+# chromium is on the PATH: with apt as root (CI), else through sudo when it asks no password. Anyone else gets Qt
+# WebEngine, the Chromium in PyQt6-WebEngine's wheels on PyPI, in the venv (the `browser-qt` extra);
+# tests/test_browser.py drives whichever is there. MOELAB_CHROMIUM=/path/to/chromium (or chrome) skips all this.
+QT_WEBENGINE_THERE = $(PY) -c 'import importlib.util as u, sys; sys.exit(u.find_spec("PyQt6.QtWebEngineWidgets") is None)'
+browser-deps: $(VENV)/.test
 	@if [ -n "$$MOELAB_CHROMIUM" ] || command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then \
 	  :; \
 	elif [ "$$(id -u)" = 0 ]; then \
@@ -55,8 +62,9 @@ browser-deps:
 	elif sudo -n true 2>/dev/null; then \
 	  echo "installing Debian's chromium (sudo apt-get) for the browser test"; \
 	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	elif $(QT_WEBENGINE_THERE) 2>/dev/null; then \
+	  :; \
 	else \
-	  echo "The browser test needs Chromium: run 'sudo apt-get install chromium' once," \
-	       "or set MOELAB_CHROMIUM=/path/to/chromium (or chrome)." >&2; \
-	  exit 1; \
+	  echo "no chromium and no root: installing Qt WebEngine (PyQt6-WebEngine, PyPI) into $(VENV) for the browser test"; \
+	  $(PIP) -e ".[browser-qt]" $(TORCH_PIN); \
 	fi

@@ -2,13 +2,12 @@
 
 The test copies ``notebooks/05-*.ipynb`` into a temporary folder with ``INTERACTIVE=True`` injected after its
 ``parameters`` cell (papermill's parameterize-only step; ``SMOKE=True`` stays, so it runs in seconds), starts
-JupyterLab on 127.0.0.1 with a random token, opens the notebook in Debian's Chromium driven by Playwright
-(``CHROMIUM``: ``MOELAB_CHROMIUM`` or ``chromium`` on PATH; nothing is downloaded), runs all cells from the Run
-menu, waits for the ``tokens T`` slider, presses ArrowRight on its handle and waits until the output it drives
-(the text and figure of the slider's cell, the slider itself left out) changes: the slider's readout moves, the
-text changes (and names the new ``T`` when it prints ``T = <n>``), and every figure is redrawn, neither blank
-nor half drawn (it keeps at least half of the non-white pixels it had). The screenshot lands in
-``build/test/browser-05.png``.
+JupyterLab on 127.0.0.1 with a random token, opens the notebook in a Chromium driven by Playwright (nothing is
+downloaded; ``BROWSER`` below says which), runs all cells from the Run menu, waits for the ``tokens T`` slider,
+presses ArrowRight on its handle and waits until the output it drives (the text and figure of the slider's cell,
+the slider itself left out) changes: the slider's readout moves, the text changes (and names the new ``T`` when it
+prints ``T = <n>``), and every figure is redrawn, neither blank nor half drawn (it keeps at least half of the
+non-white pixels it had). The screenshot lands in ``build/test/browser-05.png``.
 
 Why the figure check: JupyterLab 4.6 with ipykernel 7 handles some widget messages on a kernel subshell thread,
 and every comm message ends with IPython's ``post_execute`` hooks, matplotlib-inline's ``flush_figures``
@@ -16,10 +15,22 @@ among them. A callback that draws with pyplot (``plt.subplots`` ... ``plt.show()
 that other thread halfway through: the page shows a white or half-drawn PNG. A callback that draws on its own
 ``matplotlib.figure.Figure`` and ``display(fig)``s it is safe.
 
-A missing Chromium or Playwright fails the test (``make browser-deps`` installs Chromium; the ``browser``
-extra installs JupyterLab and Playwright); it never skips. Every wait is bounded and the whole test runs under
-``TEST_BUDGET_S``; the server (with its kernel) and the browser always end in the fixtures' teardown. The
-browser may reach only 127.0.0.1: any other request is aborted and reported.
+The browser, in this order:
+
+- ``chromium``: ``MOELAB_CHROMIUM`` (a Chromium or Chrome binary), else Debian's ``chromium`` (or Ubuntu's
+  ``chromium-browser``) on PATH, which ``make browser-deps`` installs with apt as root. Playwright launches it.
+- ``qtwebengine``: Qt WebEngine, the Chromium inside PyQt6-WebEngine's wheels on PyPI, which ``make browser-deps``
+  installs into the venv (the ``browser-qt`` extra) for a user without root. A small Qt program shows one page
+  offscreen (``QT_QPA_PLATFORM=offscreen``) with Chromium's DevTools port open, and Playwright drives it over CDP
+  through ``_CdpRelay``: Qt WebEngine has one browser context and cannot make another, so the test uses that
+  context, and the relay answers the one connect-time command Qt refuses (``Browser.setDownloadBehavior``,
+  "Browser context management is not supported") with an empty result. Every other command goes through as is.
+
+``MOELAB_BROWSER=chromium|qtwebengine`` picks one. The test makes the same checks on either. A missing browser,
+Playwright or JupyterLab fails the test (the ``browser`` extra installs JupyterLab and Playwright); it never
+skips. Every wait is bounded and the whole test runs under ``TEST_BUDGET_S``; the server (with its kernel) and
+the browser always end in the fixtures' teardown. The browser may reach only 127.0.0.1: any other request is
+aborted and reported, and the guard must have seen the page's requests.
 
 ``MOELAB_BROWSER_NOTEBOOK=<path>`` points the test at another notebook of the same shape (for development).
 """
@@ -54,14 +65,32 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_GLOB = "05-*.ipynb"
 SCREENSHOT = REPO_ROOT / "build" / "test" / "browser-05.png"
 
-#: The browser: ``MOELAB_CHROMIUM`` (a Chromium or Chrome binary, for a user without root), else Debian's
-#: ``chromium`` (or Ubuntu's ``chromium-browser``) on PATH, which ``make browser-deps`` installs.
+#: A Chromium binary: ``MOELAB_CHROMIUM`` (a Chromium or Chrome binary), else Debian's ``chromium`` (or Ubuntu's
+#: ``chromium-browser``) on PATH, which ``make browser-deps`` installs as root.
 CHROMIUM = (os.environ.get("MOELAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
             or "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
+VIEWPORT = {"width": 1400, "height": 1000}
+
+
+def _has_chromium() -> bool:
+    return Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)
+
+
+def _pick_browser() -> str:
+    """``MOELAB_BROWSER`` if set, else ``chromium`` when there is a binary, else ``qtwebengine``."""
+    forced = os.environ.get("MOELAB_BROWSER", "")
+    if forced:
+        assert forced in ("chromium", "qtwebengine"), f"MOELAB_BROWSER={forced!r}: expected chromium or qtwebengine"
+        return forced
+    return "chromium" if _has_chromium() else "qtwebengine"
+
+
+#: The browser this run drives (see the module docstring).
+BROWSER = _pick_browser()
 
 #: The slider's ``description`` in notebook 05 (an ipywidgets IntSlider), matched as a substring.
 SLIDER_DESCRIPTION = "tokens T"
@@ -247,10 +276,17 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _require_browser() -> None:
-    """Debian's Chromium, Playwright and JupyterLab are there, or the test fails (it never skips)."""
-    if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (`make browser-deps`, i.e. apt-get install "
+    """The browser, Playwright and JupyterLab are there, or the test fails (it never skips)."""
+    if BROWSER == "chromium" and not _has_chromium():
+        pytest.fail(f"MOELAB_BROWSER=chromium but {CHROMIUM} is missing: install Debian's chromium (apt-get install "
                     "-y chromium) or set MOELAB_CHROMIUM=/path/to/chromium; the test never downloads a browser")
+    if BROWSER == "qtwebengine":
+        try:
+            import PyQt6.QtWebEngineWidgets  # noqa: F401
+        except ImportError as e:  # not installed, or a system library it links is missing (the message names it)
+            pytest.fail(f"no browser: no Chromium ({CHROMIUM} is missing; set MOELAB_CHROMIUM, or install Debian's "
+                        "chromium) and Qt WebEngine does not load (`make browser-deps` installs PyQt6-WebEngine into "
+                        f".venv: pip install -e '.[browser-qt]'): {e}")
     for module, what in (("playwright.sync_api", "playwright"), ("jupyterlab", "jupyterlab")):
         try:
             __import__(module)
@@ -258,15 +294,138 @@ def _require_browser() -> None:
             pytest.fail(f"{what} (Python) is missing: pip install -e '.[browser]' ({e})")
 
 
+#: The Qt program: one page, offscreen, with Chromium's DevTools port open; it quits by itself after argv[1] s.
+_QT_BROWSER = """
+import sys
+from PyQt6.QtCore import QTimer, QUrl
+from PyQt6.QtWebEngineWidgets import QWebEngineView
+from PyQt6.QtWidgets import QApplication
+
+app = QApplication(sys.argv[:1])
+view = QWebEngineView()
+view.resize(int(sys.argv[2]), int(sys.argv[3]))
+view.load(QUrl("about:blank"))
+view.show()
+QTimer.singleShot(int(float(sys.argv[1]) * 1000), app.quit)
+sys.exit(app.exec())
+"""
+
+
+@contextlib.contextmanager
+def _qt_webengine(tmp_path: Path, deadline: Deadline):
+    """Start the Qt program; yield its browser's DevTools websocket URL; always stop it."""
+    port = _free_port()
+    home = tmp_path / "qt"
+    env = dict(os.environ)
+    env.update(
+        QT_QPA_PLATFORM="offscreen", QTWEBENGINE_REMOTE_DEBUGGING=f"127.0.0.1:{port}",
+        QTWEBENGINE_DISABLE_SANDBOX="1", QTWEBENGINE_CHROMIUM_FLAGS=" ".join(CHROMIUM_ARGS[1:]),
+        XDG_CONFIG_HOME=str(home / "config"), XDG_CACHE_HOME=str(home / "cache"),
+        XDG_DATA_HOME=str(home / "data"), NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
+    )
+    log = tmp_path / "qtwebengine.log"
+    cmd = [sys.executable, "-c", _QT_BROWSER, str(TEST_BUDGET_S + 30), str(VIEWPORT["width"]),
+           str(VIEWPORT["height"])]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        end = time.monotonic() + deadline.left(30)
+        while True:
+            try:
+                with opener.open(f"http://127.0.0.1:{port}/json/version", timeout=2) as r:
+                    yield json.load(r)["webSocketDebuggerUrl"]
+                    return
+            except (urllib.error.URLError, OSError):
+                if proc.poll() is not None:
+                    pytest.fail(f"the Qt WebEngine browser exited with {proc.returncode}:\n{_log_tail(log)}")
+                if time.monotonic() > end:
+                    pytest.fail(f"Qt WebEngine's DevTools port {port} did not answer in 30 s:\n{_log_tail(log)}")
+                time.sleep(0.25)
+    finally:
+        _stop(proc)
+
+
+class _CdpRelay:
+    """A websocket relay from Playwright to a browser's DevTools endpoint, on 127.0.0.1, in a thread.
+
+    It passes every message as is, except the error of a command named in ``EMPTY_RESULT``, which it turns into an
+    empty result. Qt WebEngine refuses ``Browser.setDownloadBehavior`` (it has no context management), which
+    Playwright sends while it connects; the test downloads nothing.
+    """
+
+    EMPTY_RESULT = frozenset({"Browser.setDownloadBehavior"})
+
+    def __init__(self, upstream: str):
+        import asyncio
+        import threading
+
+        import tornado.web
+        import tornado.websocket
+
+        relay = self
+
+        class Handler(tornado.websocket.WebSocketHandler):
+            async def open(self, *args):
+                self.sent: dict[tuple, str] = {}
+                self.up = await tornado.websocket.websocket_connect(upstream, max_message_size=1 << 30)
+                asyncio.ensure_future(self.pump())
+
+            async def pump(self):
+                while (msg := await self.up.read_message()) is not None:
+                    m = json.loads(msg)
+                    if "error" in m and self.sent.pop((m.get("sessionId"), m.get("id")), "") in relay.EMPTY_RESULT:
+                        relay.emptied += 1
+                        msg = json.dumps({k: v for k, v in m.items() if k != "error"} | {"result": {}})
+                    await self.write_message(msg)
+                self.close()
+
+            def on_message(self, msg):
+                m = json.loads(msg)
+                self.sent[(m.get("sessionId"), m.get("id"))] = m.get("method", "")
+                return self.up.write_message(msg)
+
+            def on_close(self):
+                if getattr(self, "up", None) is not None:
+                    self.up.close()
+
+        self.emptied = 0
+        self.port = _free_port()
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            app = tornado.web.Application([(r"/.*", Handler)], websocket_max_message_size=1 << 30)
+            self.server = app.listen(self.port, "127.0.0.1")
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, name="cdp-relay", daemon=True)
+        self.thread.start()
+        assert started.wait(10), "the CDP relay did not start"
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/devtools/browser"
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.stop)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
 @pytest.fixture
-def browser_page(deadline):
-    """A Playwright page in Debian's Chromium, with only 127.0.0.1 reachable; always closed."""
+def browser_page(tmp_path, deadline):
+    """A Playwright page in ``BROWSER``, with only 127.0.0.1 reachable; always closed."""
     _require_browser()
     from playwright.sync_api import sync_playwright
 
     blocked: list[str] = []
+    routed: list[str] = []
 
     def loopback_only(route):
+        routed.append(route.request.url)
         host = urlsplit(route.request.url).hostname
         if host in ("127.0.0.1", "localhost") or route.request.url.startswith(("data:", "blob:")):
             route.continue_()
@@ -274,17 +433,26 @@ def browser_page(deadline):
             blocked.append(route.request.url)
             route.abort()
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-                                     timeout=deadline.ms(30))
-        try:
-            context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    with sync_playwright() as pw, contextlib.ExitStack() as stack:
+        if BROWSER == "chromium":
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+                                         timeout=deadline.ms(30))
+            stack.callback(browser.close)
+            context = browser.new_context(viewport=VIEWPORT)
             context.route("**/*", loopback_only)
             page = context.new_page()
-            page.blocked_requests = blocked  # read by the test, for its report
-            yield page
-        finally:
-            browser.close()
+        else:
+            relay = _CdpRelay(stack.enter_context(_qt_webengine(tmp_path, deadline)))
+            stack.callback(relay.close)
+            browser = pw.chromium.connect_over_cdp(relay.url, timeout=deadline.ms(30))
+            stack.callback(browser.close)
+            context = browser.contexts[0]  # Qt WebEngine's one context, with its one page
+            context.route("**/*", loopback_only)
+            page = context.pages[0]
+            page.set_viewport_size(VIEWPORT)
+        page.blocked_requests = blocked  # read by the test, for its report
+        page.routed_requests = routed  # the guard saw the page's requests (else it guards nothing)
+        yield page
 
 
 # -------------------------------------------------------------------------------------------------- the page
@@ -483,7 +651,8 @@ def test_notebook_05_slider_drives_output_in_chromium(request, lab_root, deadlin
     m = re.search(r"\bT\s*=\s*(\d+)", after.text)
     if m and value_after.isdigit():
         assert m.group(1) == value_after, f"the output says T = {m.group(1)} but the slider reads {value_after}"
-    print(f"browser-05: page+kernel ({kernel}) {t_ready - t0:.1f} s, run all {t_ran - t_ready:.1f} s, slider "
-          f"{value_before} -> {value_after} in {t_moved - t_ran:.1f} s; text now {after.text[:120]!r}; "
+    assert page.routed_requests, "the loopback-only guard saw no request: it guards nothing in this browser"
+    print(f"browser-05 ({BROWSER}): page+kernel ({kernel}) {t_ready - t0:.1f} s, run all {t_ran - t_ready:.1f} s, "
+          f"slider {value_before} -> {value_after} in {t_moved - t_ran:.1f} s; text now {after.text[:120]!r}; "
           f"{len(after.digests)} figure(s), ink {[round(i, 3) for i in after.ink]}; "
           f"blocked non-loopback requests: {page.blocked_requests[:5]}; screenshot {SCREENSHOT}")
