@@ -17,8 +17,10 @@ sequence of T tokens, for:
 plus the experts' share of the moelab forward (``experts_ms``: CUDA events around every experts call) against the
 layer benchmark's call (``moelab.routed_moe`` on packed routing words, ``validate=False``, exactly what
 ``python -m moelab.bench`` times) on the same inputs (``layer_ms``), and their ratio ``experts/layer`` (the
-integration's overhead; the target is <= 1.10); ``module_ms`` is the same experts module calls made alone, outside
-the forward (see :func:`experts_share`; stderr adds the host times). Then greedy ``generate()`` tokens/s. Every
+integration's overhead; the target is <= 1.10); ``fwd_layer_ms`` is the same forward with each experts call replaced
+by that layer call, so ``experts_ms / fwd_layer_ms`` is moelab.hf's own code path and ``fwd_layer_ms / layer_ms``
+what running inside a forward costs any call (see :func:`experts_share`; stderr adds the experts module calls alone
+and the host times). Then greedy ``generate()`` tokens/s. Every
 side is stamped alike: the device is synchronised before each call's start event, so each call is timed from an
 empty queue (its host launch time included on every side, no earlier work queued in front of it on any), and the
 sides are measured in interleaved rounds. Every forward is timed under ``torch.no_grad()`` (inference). Every
@@ -161,28 +163,34 @@ def _routing_args(args, kwargs):
     return x, ids, w
 
 
+SHARE_SIDES = ("experts", "fwd_layer", "module", "layer")
+
+
 def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
-    """The experts' share of one forward against the same calls made alone, medians over ``rounds`` (seconds).
+    """The experts' share of one forward against the layer benchmark's call, medians over ``rounds`` (seconds).
 
     Each round runs, back to back (so host speed drifts alike on every side):
 
-        experts   one forward of ``model``, every experts module call stamped (device sync, then an event pair)
-        module    the same experts module calls with the same inputs, made one by one outside the forward (the HF
-                  module call, moelab's adapter lookup, weight-cache check and routing hand-over included)
-        layer     the layer benchmark's call (``python -m moelab.bench``: ``moelab.routed_moe`` on packed routing
-                  words, ``validate=False``, the module's converted weights) on the same inputs, packed beforehand
+        experts    one forward of ``model``, every experts module call stamped (a device sync, then an event pair)
+        fwd_layer  the same forward with each experts module's forward replaced by the layer benchmark's call on
+                   the inputs that module got (below), stamped by the same hooks: the forward's context (host caches
+                   cold after attention, the module call, the hooks) without moelab.hf's code path
+        module     the experts module calls made one by one outside the forward, same inputs, same hooks
+        layer      the layer benchmark's call alone (``python -m moelab.bench``: ``moelab.routed_moe`` on packed
+                   routing words packed beforehand, ``validate=False``, the module's converted weights)
 
-    each call stamped alike (a device sync, then an event pair: no side hides its launch time behind queued work).
-    ``experts / layer`` is the integration's cost; ``experts / module`` the part a model's forward adds around the
-    same call (cold host caches, the hooks' bookkeeping), ``module / layer`` the part of moelab.hf's own code path.
-    Keys ``experts``, ``module``, ``layer`` (device time on a GPU, else host) and ``host_*`` (host time from the
-    call's start to its return, on every device). NaN where no experts module call is seen (ModuleList experts and
-    Llama-4's are called by the block directly: no module hooks fire).
+    each call stamped alike (no side hides its launch time behind queued work). ``experts / layer`` is the
+    issue's measure of the integration's cost; ``experts / fwd_layer`` is moelab.hf's own code path in the
+    forward (the adapter lookup, weight-cache check and routing hand-over), ``fwd_layer / layer`` what any call
+    pays for running inside a forward. Keys: the sides (device time on a GPU, else host) and ``host_<side>`` (host
+    time from each call's start to its return, on every device). NaN where no experts module call is seen
+    (ModuleList experts and Llama-4's are called by the block directly: no module hooks fire).
     """
     from moelab.hf.experts import experts_spec, module_weights
     from moelab.moe import routed_moe
     from moelab.packing import pack_topk_ids_weights
 
+    keys = SHARE_SIDES + tuple(f"host_{k}" for k in SHARE_SIDES)
     timer = ExpertsTimer(model)
     with torch.no_grad():
         model(ids)  # warm
@@ -193,7 +201,7 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
     recorded = [(m, _routing_args(a, k)) for m, a, k, *_ in timer.calls]
     if not recorded:
         timer.remove()
-        return dict.fromkeys(("experts", "module", "layer", "host_experts", "host_module", "host_layer"), math.nan)
+        return dict.fromkeys(keys, math.nan)
     layer_calls = []
     for module, (x, top_k_index, top_k_weights) in recorded:
         layer = module.__dict__.get("_moelab_layer")
@@ -203,19 +211,33 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
             top_k_weights = top_k_weights.gather(1, top_k_index.long())
         packed = pack_topk_ids_weights(top_k_index, top_k_weights, validate=False)
         layer_calls.append((packed, x.contiguous(), weights, spec.num_experts, top_k_index.shape[1]))
-    times = {k: [] for k in ("experts", "module", "layer", "host_experts", "host_module", "host_layer")}
+
+    def layer_forward(packed, x, weights, E, K):
+        return lambda *args, **kwargs: routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)[0]
+
+    def forward_with_layer_calls():  # each module runs the layer call it got in the recorded forward
+        saved = [m.__dict__.get("forward") for m, _ in recorded]
+        try:
+            for (m, _), call in zip(recorded, layer_calls):
+                m.forward = layer_forward(*call)
+            model(ids)
+        finally:
+            for (m, _), old in zip(recorded, saved):
+                m.__dict__.pop("forward", None)
+                if old is not None:
+                    m.forward = old
+
+    times = {k: [] for k in keys}
     with torch.no_grad():
         for i in range(rounds + 1):  # round 0 warms every side
-            timer.calls, timer.enabled = [], True
-            model(ids)
-            _sync(device)
-            inside = timer.seconds()
-            timer.calls = []
-            for module, (x, top_k_index, top_k_weights) in recorded:
-                module(x, top_k_index, top_k_weights)
-            _sync(device)
-            alone = timer.seconds()
-            timer.enabled = False
+            sides = {}
+            for side, run in (("experts", lambda: model(ids)), ("fwd_layer", forward_with_layer_calls),
+                              ("module", lambda: [m(*args) for m, args in recorded])):
+                timer.calls, timer.enabled = [], True
+                run()
+                _sync(device)
+                timer.enabled = False
+                sides[side] = timer.seconds()
             stamps = []
             for packed, x, weights, E, K in layer_calls:
                 _sync(x.device)
@@ -224,13 +246,11 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
                 routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)
                 stamps.append((start, _stamp(x.is_cuda), host, time.perf_counter()))
             _sync(device)
+            sides["layer"] = (sum(_elapsed(a, b) for a, b, _, _ in stamps), sum(d - c for _, _, c, d in stamps))
             if i:
-                times["experts"].append(inside[0])
-                times["host_experts"].append(inside[1])
-                times["module"].append(alone[0])
-                times["host_module"].append(alone[1])
-                times["layer"].append(sum(_elapsed(a, b) for a, b, _, _ in stamps))
-                times["host_layer"].append(sum(d - c for _, _, c, d in stamps))
+                for side, (seconds, host) in sides.items():
+                    times[side].append(seconds)
+                    times[f"host_{side}"].append(host)
     timer.remove()
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -238,10 +258,11 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
 def _share_line(T, share: dict[str, float]) -> str:
     """One stderr line of :func:`experts_share`'s numbers (ms), device and host time."""
     ms = {k: v * 1e3 for k, v in share.items()}
-    return (f"# experts share T={T}: in the forward {ms['experts']:.3g} ms (host {ms['host_experts']:.3g}), the same "
-            f"module calls alone {ms['module']:.3g} (host {ms['host_module']:.3g}), the layer benchmark's call "
-            f"{ms['layer']:.3g} (host {ms['host_layer']:.3g}); experts/module {ms['experts'] / ms['module']:.2f}, "
-            f"module/layer {ms['module'] / ms['layer']:.2f}")
+    names = dict(experts="experts in the forward", fwd_layer="layer calls in the forward",
+                 module="experts module calls alone", layer="layer calls alone")
+    sides = ", ".join(f"{names[k]} {ms[k]:.3g} ms (host {ms['host_' + k]:.3g})" for k in SHARE_SIDES)
+    return (f"# experts share T={T}: {sides}; experts/fwd_layer {ms['experts'] / ms['fwd_layer']:.2f} (moelab.hf's "
+            f"path), fwd_layer/layer {ms['fwd_layer'] / ms['layer']:.2f} (the forward's context)")
 
 
 def generate_tokens_per_s(model, prompt, new_tokens: int, device) -> float:
@@ -358,7 +379,7 @@ def profile_forward(models: dict, T: int, base, device, top: int = 15) -> None:
 def markdown(rows: list[dict]) -> str:
     from moelab.lab import markdown_table
 
-    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "module_ms", "layer_ms", "experts/layer",
+    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "fwd_layer_ms", "layer_ms", "experts/layer",
             "tokens_per_s", "rel_err_vs"]
     return markdown_table([{k: row.get(k, "") for k in keys} for row in rows])
 
