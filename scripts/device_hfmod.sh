@@ -10,7 +10,7 @@
 #      moelab and one grouped_mm forward at T=1 by device and by host time                               <= 150 s
 #   3. the rest of tests/test_hf_*.py (the torch-backend tests: transformers differs there from CI's), with whatever
 #      time is left, same reporting                                                                        <= 90 s
-#   NB08=1 adds notebook 08's code cells at full size (SMOKE=False, bf16) as a script                      <= 40 s
+#   NPROC=N sets pytest-xdist workers (8). NB08=1 adds notebook 08's code cells at full size (SMOKE=False, bf16) as a script                      <= 40 s
 # Run from the repo root: run(command="bash scripts/device_hfmod.sh", timeout_s=400). Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} MPLBACKEND=Agg
@@ -23,7 +23,7 @@ KERNEL_TESTS="triton or fused or llama4 or kernels_refuse or compile or cached o
 or bench_tiny"
 # COLUMNS keeps pytest's summary lines whole (the last run's were cut at 80 characters); timeout sends SIGINT first,
 # so pytest still prints the summary of what ran
-PYTEST=(python3 -m pytest -q -n 8 -p no:cacheprovider -rA --tb=short --durations=8)
+PYTEST=(python3 -m pytest -q -n ${NPROC:-8} -p no:cacheprovider -rA --tb=short --durations=8)
 SUMMARY="^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)"
 
 start=$SECONDS
