@@ -10,7 +10,8 @@
 #      moelab and one grouped_mm forward at T=1 by device and by host time                               <= 150 s
 #   3. the rest of tests/test_hf_*.py (the torch-backend tests: transformers differs there from CI's), with whatever
 #      time is left, same reporting                                                                        <= 90 s
-#   NPROC=N sets pytest-xdist workers (8). NB08=1 adds notebook 08's code cells at full size (SMOKE=False, bf16) as a script                      <= 40 s
+#   NB08=1 adds notebook 08's code cells at full size (SMOKE=False, bf16) as a script                      <= 40 s
+#   NPROC=N: pytest-xdist workers (default 8)
 # Run from the repo root: run(command="bash scripts/device_hfmod.sh", timeout_s=400). Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} MPLBACKEND=Agg
