@@ -2,12 +2,13 @@
 # Issue 11 on one H200, under 6 minutes wall in all (each step has its own timeout; logs under $OUT):
 #   1. the hf tests that touch the kernels, on the GPU (triton families, GPT-OSS on triton, fused routing, Llama-4,
 #      the kernels' option checks, the compiled op, the weight cache on triton and torch, mixed adapters vs float64,
-#      the transposed-family discovery), -x off, every outcome in the short summary (-rA), tracebacks kept
+#      the transposed-family discovery, the bench's tiny run), -x off, every outcome in the short summary (-rA), tracebacks kept
 #      (--tb=short) and the whole log written to $OUT, nothing cut                                           <= 90 s
 #   2. python -m moelab.hf.bench at Qwen3-30B-A3B sizes, 4 layers, T = 1,128,4096: whole forwards, the experts'
-#      share in the forward against the same module calls alone and the layer benchmark's call (packed routing,
-#      validate=False), device and host times (stderr lines "# experts share"), and torch.profiler's top ops of one
-#      moelab and one grouped_mm forward at T=1 by device and by host time                               <= 150 s
+#      share in the forward against the layer benchmark's call (packed routing, validate=False) alone and made in
+#      the forward in place of the experts (moelab.hf's path vs the forward's context), device and host times
+#      (stderr lines "# experts share"), and torch.profiler's top ops of one moelab and one grouped_mm forward at
+#      T=1 by device and by host time                                                                      <= 150 s
 #   3. the rest of tests/test_hf_*.py (the torch-backend tests: transformers differs there from CI's), with whatever
 #      time is left, same reporting                                                                        <= 90 s
 #   NB08=1 adds notebook 08's code cells at full size (SMOKE=False, bf16) as a script                      <= 40 s
