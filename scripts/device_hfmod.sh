@@ -2,8 +2,8 @@
 # Issue 11 on one H200, under 6 minutes wall in all (each step has its own timeout; logs under $OUT):
 #   1. the hf tests that touch the kernels, on the GPU (triton families, GPT-OSS on triton, fused routing, Llama-4,
 #      the kernels' option checks, the compiled op, the weight cache on triton and torch, mixed adapters vs float64,
-#      the transposed-family discovery, the bench's tiny run), -x off, every outcome in the short summary (-rA), tracebacks kept
-#      (--tb=short) and the whole log written to $OUT, nothing cut                                           <= 90 s
+#      the transposed-family discovery, the bench's tiny run), -x off, every outcome in the short summary (-rA),
+#      tracebacks kept (--tb=short) and the whole log written to $OUT, nothing cut                           <= 90 s
 #   2. python -m moelab.hf.bench at Qwen3-30B-A3B sizes, 4 layers, T = 1,128,4096: whole forwards, the experts'
 #      share in the forward against the layer benchmark's call (packed routing, validate=False) alone and made in
 #      the forward in place of the experts (moelab.hf's path vs the forward's context), device and host times
