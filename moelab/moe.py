@@ -167,11 +167,11 @@ def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert
     if (gemm1_lora_delta is None and output is None and apply_router_weight_on_input is False
             and _plain_call_ok(topk, hidden_states, weights, num_experts, top_k, local_expert_offset)):
         # Every check below would pass (decode calls are host-bound: the checks one by one cost more than the GPU work)
-        packed = topk.contiguous()
+        packed = topk.contiguous() if type(topk) is torch.Tensor else None
         call = RoutedMoECall(topk, packed, hidden_states.contiguous(), weights, num_experts, top_k,
                              local_expert_offset, None, do_finalize, None)
         if validate:
-            _checks.check_expert_ids("topk (expert ids)", call.topk_ids, num_experts)
+            _checks.check_expert_ids("topk (expert ids)", call.topk_ids if packed is not None else topk[0], num_experts)
         return call
     E_local, H, I = weights.num_local_experts, weights.hidden_size, weights.intermediate_size
     check_int("num_experts", num_experts, low=1, high=_checks.MAX_EXPERTS)
@@ -228,16 +228,25 @@ def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert
 
 
 def _plain_call_ok(topk, hidden_states, weights: MoEWeights, num_experts, top_k, local_expert_offset) -> bool:
-    """True when a call with packed routing, no delta and no ``output`` passes every check of :func:`validate_call`
-    (False says nothing: the checks one by one then name what is wrong)."""
-    if not (type(topk) is torch.Tensor and type(hidden_states) is torch.Tensor and type(num_experts) is int
-            and type(top_k) is int and type(local_expert_offset) is int):
+    """True when a call with packed routing or an ``(ids, weights)`` tuple, no delta and no ``output`` passes every
+    check of :func:`validate_call` (False says nothing: the checks one by one then name what is wrong)."""
+    if not (type(hidden_states) is torch.Tensor and type(num_experts) is int and type(top_k) is int
+            and type(local_expert_offset) is int):
         return False
     E_local = weights.num_local_experts
     w = weights.gemm1_weights
-    return (E_local <= num_experts <= _checks.MAX_EXPERTS and 1 <= top_k <= num_experts
+    if not (E_local <= num_experts <= _checks.MAX_EXPERTS and 1 <= top_k <= num_experts
             and 0 <= local_expert_offset <= num_experts - E_local
             and hidden_states.dtype == w.dtype and hidden_states.dim() == 2
-            and hidden_states.shape[1] == weights.hidden_size and topk.dtype == torch.int32
-            and topk.shape == (hidden_states.shape[0], top_k) and topk.device == w.device
-            and hidden_states.device == w.device)
+            and hidden_states.shape[1] == weights.hidden_size and hidden_states.device == w.device):
+        return False
+    shape = (hidden_states.shape[0], top_k)
+    if type(topk) is tuple:  # (ids, weights): what a model's own router hands over (moelab.hf)
+        if len(topk) != 2:
+            return False
+        ids, expert_weights = topk
+        return (type(ids) is torch.Tensor and type(expert_weights) is torch.Tensor and ids.dtype in INT_DTYPES
+                and expert_weights.dtype in FLOAT_DTYPES and ids.shape == shape and expert_weights.shape == shape
+                and ids.device == w.device and expert_weights.device == w.device)
+    return (type(topk) is torch.Tensor and topk.dtype == torch.int32 and topk.shape == shape
+            and topk.device == w.device)

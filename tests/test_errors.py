@@ -222,6 +222,26 @@ def test_int64_ids_beyond_int32_rejected_before_the_cast(backend):
         moelab.pack_topk_ids_weights(ids, torch.rand(2, K))
 
 
+@pytest.mark.parametrize("bad, match", [
+    (lambda ids, w: (ids.float(), w), r"topk\[0\] \(ids\)"),
+    (lambda ids, w: (ids, w.to(torch.int32)), r"topk\[1\] \(weights\)"),
+    (lambda ids, w: (ids[:, :1], w), r"topk\[0\] \(ids\)"),
+    (lambda ids, w: (ids, w[:1]), r"topk\[1\] \(weights\)"),
+    (lambda ids, w: (ids, w, w), "tuple of 3"),
+])
+def test_tuple_routing_takes_the_fast_path_and_is_still_checked(bad, match):
+    """``(ids, weights)`` (what a Hugging Face model's router hands moelab) takes validate_call's fast path: a good
+    tuple computes the float64 reference, every bad part is still named."""
+    w13, w2 = weights()
+    mw = moelab.prepare_weights(w13, w2, backend="torch")
+    w, ids = routing()
+    x = torch.randn(3, H)
+    got = moelab.routed_moe((ids.long(), w), x, mw, num_experts=E, top_k=K, validate=False)[0]
+    assert_close_to_reference(got, reference.routed_moe(ids, w, x, w13, w2)["output"], torch.float32)
+    with pytest.raises((TypeError, ValueError), match=match):
+        moelab.routed_moe(bad(ids, w), x, mw, num_experts=E, top_k=K, validate=False)
+
+
 # ---------------------------------------------------------------------------------------------- finalize
 
 def _finalize_inputs(T=3, R=8):

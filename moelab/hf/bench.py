@@ -15,13 +15,18 @@ sequence of T tokens, for:
     moelab+lora  the same PeftModel after moelab.patch_model: the adapter runs unmerged in moelab's bank
 
 plus the experts' share of the moelab forward (``experts_ms``: CUDA events around every experts call) against the
-layer benchmark's call (``moelab.routed_moe``, as ``python -m moelab.bench`` times it) on the same inputs
-(``layer_ms``), and their ratio ``experts/layer`` (the integration's overhead; the target is <= 1.10), and greedy
-``generate()`` tokens/s. Both sides are stamped alike: the device is synchronised before each call's start event,
-so each call is timed from an empty queue (its host launch time included on both sides, no earlier work queued
-in front of it on either). Every forward is timed under ``torch.no_grad()`` (inference). Every moelab row is
-checked against HF (logits relative error). Prints a Markdown table; ``--json`` writes the rows; ``--profile T``
-adds torch.profiler's top device ops of one moelab and one grouped_mm forward at T (the diagnosis of a gap).
+layer benchmark's call (``moelab.routed_moe`` on packed routing words, ``validate=False``, exactly what
+``python -m moelab.bench`` times) on the same inputs (``layer_ms``), and their ratio ``experts/layer`` (the
+integration's overhead; the target is <= 1.10); ``fwd_layer_ms`` is the same forward with each experts call replaced
+by that layer call, so ``experts_ms / fwd_layer_ms`` is moelab.hf's own code path and ``fwd_layer_ms / layer_ms``
+what running inside a forward costs any call (see :func:`experts_share`; stderr adds the experts module calls alone
+and the host times). Then greedy ``generate()`` tokens/s. Every
+side is stamped alike: the device is synchronised before each call's start event, so each call is timed from an
+empty queue (its host launch time included on every side, no earlier work queued in front of it on any), and the
+sides are measured in interleaved rounds. Every forward is timed under ``torch.no_grad()`` (inference). Every
+moelab row is checked against HF (logits relative error). Prints a Markdown table; ``--json`` writes the rows;
+``--profile T`` adds torch.profiler's top ops of one moelab and one grouped_mm forward at T, by device time and (on
+a GPU) by host time: the diagnosis of a gap.
 """
 
 from __future__ import annotations
@@ -103,9 +108,10 @@ def _time_call(fn, device, warmup: int, iters: int) -> float:
 
 
 class ExpertsTimer:
-    """Records (module, inputs, start, end) around every experts module call (CUDA events on a GPU, else the host
-    clock), to split the experts' share out of a whole forward. The device is synchronised before each start stamp,
-    as :func:`experts_share` does for the layer alone."""
+    """Records (module, args, kwargs, start, end, host start, host end) around every experts module call (CUDA
+    events on a GPU, else the host clock; the host clock always too), to split the experts' share out of a whole
+    forward. The device is synchronised before each start stamp, as :func:`experts_share` does for the calls made
+    alone, so no call's time includes work queued before it."""
 
     def __init__(self, model):
         from moelab.hf.experts import base_experts
@@ -120,14 +126,16 @@ class ExpertsTimer:
     def _pre(self, module, args, kwargs):
         if self.enabled:
             _sync(args[0].device)
-            self.calls.append([module, args, _stamp(args[0].is_cuda), None])
+            self.calls.append([module, args, kwargs, time.perf_counter(), _stamp(args[0].is_cuda), None, None])
 
     def _post(self, module, args, output):
         if self.enabled:
-            self.calls[-1][3] = _stamp(output.is_cuda)
+            call = self.calls[-1]
+            call[5], call[6] = _stamp(output.is_cuda), time.perf_counter()
 
-    def seconds(self) -> float:
-        return sum(_elapsed(start, end) for _, _, start, end in self.calls)
+    def seconds(self) -> tuple[float, float]:
+        """(device or host seconds, host seconds) of the calls recorded, summed."""
+        return (sum(_elapsed(c[4], c[5]) for c in self.calls), sum(c[6] - c[3] for c in self.calls))
 
     def remove(self):
         for h in self.handles:
@@ -146,53 +154,115 @@ def _elapsed(start, end) -> float:
     return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
 
 
-def experts_share(model, ids, device, iters: int = 5) -> tuple[float, float]:
-    """(seconds in the experts inside one forward, seconds of the same calls made on the layer alone), medians.
+def _routing_args(args, kwargs):
+    """(hidden_states, top_k_index, top_k_weights) of an experts call, positional or by keyword (GPT-OSS's own
+    block passes ``router_indices=``/``routing_weights=``)."""
+    x = args[0]
+    ids = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+    w = args[2] if len(args) > 2 else kwargs.get("top_k_weights", kwargs.get("routing_weights"))
+    return x, ids, w
 
-    "Alone" is the layer benchmark's call (``moelab.routed_moe``, ``validate=False``, the module's converted
-    weights) on the exact inputs each experts module got inside the forward, stamped the same way (a device sync,
-    then an event pair around each call: neither side hides its launch time behind queued work), so the ratio is
-    the integration's cost: the HF module call, the adapter lookup, the weight cache check and the routing
-    hand-over.
+
+SHARE_SIDES = ("experts", "fwd_layer", "module", "layer")
+
+
+def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
+    """The experts' share of one forward against the layer benchmark's call, medians over ``rounds`` (seconds).
+
+    Each round runs, back to back (so host speed drifts alike on every side):
+
+        experts    one forward of ``model``, every experts module call stamped (a device sync, then an event pair)
+        fwd_layer  the same forward with each experts module's forward replaced by the layer benchmark's call on
+                   the inputs that module got (below), stamped by the same hooks: the forward's context (host caches
+                   cold after attention, the module call, the hooks) without moelab.hf's code path
+        module     the experts module calls made one by one outside the forward, same inputs, same hooks
+        layer      the layer benchmark's call alone (``python -m moelab.bench``: ``moelab.routed_moe`` on packed
+                   routing words packed beforehand, ``validate=False``, the module's converted weights)
+
+    each call stamped alike (no side hides its launch time behind queued work). ``experts / layer`` is the
+    issue's measure of the integration's cost; ``experts / fwd_layer`` is moelab.hf's own code path in the
+    forward (the adapter lookup, weight-cache check and routing hand-over), ``fwd_layer / layer`` what any call
+    pays for running inside a forward. Keys: the sides (device time on a GPU, else host) and ``host_<side>`` (host
+    time from each call's start to its return, on every device). NaN where no experts module call is seen
+    (ModuleList experts and Llama-4's are called by the block directly: no module hooks fire).
     """
-    from moelab.hf.experts import experts_spec, module_weights, run_experts
+    from moelab.hf.experts import experts_spec, module_weights
+    from moelab.moe import routed_moe
+    from moelab.packing import pack_topk_ids_weights
 
+    keys = SHARE_SIDES + tuple(f"host_{k}" for k in SHARE_SIDES)
     timer = ExpertsTimer(model)
-    inside = []
     with torch.no_grad():
         model(ids)  # warm
-        for _ in range(iters):
-            timer.calls = []
-            timer.enabled = True
-            model(ids)
-            _sync(device)
-            timer.enabled = False
-            inside.append(timer.seconds())
-    calls = [(m, a) for m, a, *_ in timer.calls]
-    timer.remove()
-    if not calls:  # experts called directly by the block (ModuleList experts, Llama-4): no module hooks fire
-        return math.nan, math.nan
-    layers = []
-    for module, (x, top_k_index, top_k_weights, *_) in calls:
+        timer.calls, timer.enabled = [], True
+        model(ids)
+        _sync(device)
+        timer.enabled = False
+    recorded = [(m, _routing_args(a, k)) for m, a, k, *_ in timer.calls]
+    if not recorded:
+        timer.remove()
+        return dict.fromkeys(keys, math.nan)
+    layer_calls = []
+    for module, (x, top_k_index, top_k_weights) in recorded:
         layer = module.__dict__.get("_moelab_layer")
         spec = experts_spec(module)
         weights = module_weights(module, spec, layer.backend if layer is not None else "auto")
         if top_k_weights.shape[-1] != top_k_index.shape[-1]:
             top_k_weights = top_k_weights.gather(1, top_k_index.long())
-        layers.append((x.contiguous(), top_k_index, top_k_weights, weights, spec.num_experts))
-    alone = []
+        packed = pack_topk_ids_weights(top_k_index, top_k_weights, validate=False)
+        layer_calls.append((packed, x.contiguous(), weights, spec.num_experts, top_k_index.shape[1]))
+
+    def layer_forward(packed, x, weights, E, K):
+        return lambda *args, **kwargs: routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)[0]
+
+    def forward_with_layer_calls():  # each module runs the layer call it got in the recorded forward
+        saved = [m.__dict__.get("forward") for m, _ in recorded]
+        try:
+            for (m, _), call in zip(recorded, layer_calls):
+                m.forward = layer_forward(*call)
+            model(ids)
+        finally:
+            for (m, _), old in zip(recorded, saved):
+                m.__dict__.pop("forward", None)
+                if old is not None:
+                    m.forward = old
+
+    times = {k: [] for k in keys}
     with torch.no_grad():
-        for i in range(iters + 1):
+        for i in range(rounds + 1):  # round 0 warms every side
+            sides = {}
+            for side, run in (("experts", lambda: model(ids)), ("fwd_layer", forward_with_layer_calls),
+                              ("module", lambda: [m(*args) for m, args in recorded])):
+                timer.calls, timer.enabled = [], True
+                run()
+                _sync(device)
+                timer.enabled = False
+                sides[side] = timer.seconds()
             stamps = []
-            for x, top_k_index, top_k_weights, weights, E in layers:
+            for packed, x, weights, E, K in layer_calls:
                 _sync(x.device)
+                host = time.perf_counter()
                 start = _stamp(x.is_cuda)
-                run_experts(x, top_k_index, top_k_weights, weights, E)
-                stamps.append((start, _stamp(x.is_cuda)))
+                routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)
+                stamps.append((start, _stamp(x.is_cuda), host, time.perf_counter()))
             _sync(device)
-            if i:  # the first round warms
-                alone.append(sum(_elapsed(a, b) for a, b in stamps))
-    return statistics.median(inside), statistics.median(alone)
+            sides["layer"] = (sum(_elapsed(a, b) for a, b, _, _ in stamps), sum(d - c for _, _, c, d in stamps))
+            if i:
+                for side, (seconds, host) in sides.items():
+                    times[side].append(seconds)
+                    times[f"host_{side}"].append(host)
+    timer.remove()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _share_line(T, share: dict[str, float]) -> str:
+    """One stderr line of :func:`experts_share`'s numbers (ms), device and host time."""
+    ms = {k: v * 1e3 for k, v in share.items()}
+    names = dict(experts="experts in the forward", fwd_layer="layer calls in the forward",
+                 module="experts module calls alone", layer="layer calls alone")
+    sides = ", ".join(f"{names[k]} {ms[k]:.3g} ms (host {ms['host_' + k]:.3g})" for k in SHARE_SIDES)
+    return (f"# experts share T={T}: {sides}; experts/fwd_layer {ms['experts'] / ms['fwd_layer']:.2f} (moelab.hf's "
+            f"path), fwd_layer/layer {ms['fwd_layer'] / ms['layer']:.2f} (the forward's context)")
 
 
 def generate_tokens_per_s(model, prompt, new_tokens: int, device) -> float:
@@ -264,10 +334,11 @@ def run(args) -> list[dict]:
             if name.startswith("moelab") and ref_name in truth:
                 row["rel_err_vs"] = f"{rel_err(logits, truth[ref_name]):.1e} vs {ref_name}"
             if name == "moelab":
-                inside, alone = experts_share(model, ids, device, iters=args.iters)
-                if not math.isnan(inside):
-                    row["experts_ms"], row["layer_ms"] = inside * 1e3, alone * 1e3
-                    row["experts/layer"] = f"{inside / alone:.2f}"
+                share = experts_share(model, ids, device, rounds=max(2 * args.iters, 10))
+                if not math.isnan(share["experts"]):
+                    row.update({f"{k}_ms": v * 1e3 for k, v in share.items()})
+                    row["experts/layer"] = f"{share['experts'] / share['layer']:.2f}"
+                    print(_share_line(T, share), file=sys.stderr)
             rows.append(row)
     if args.profile:
         profile_forward({k: models[k] for k in ("grouped_mm", "moelab") if k in models}, args.profile, base, device)
@@ -281,8 +352,9 @@ def run(args) -> list[dict]:
 
 
 def profile_forward(models: dict, T: int, base, device, top: int = 15) -> None:
-    """Print (stderr) torch.profiler's ``top`` ops by self device time (CPU time on a CPU) of one no-grad forward
-    of T tokens for each model, with the op count: where one forward spends more than another."""
+    """Print (stderr) torch.profiler's ``top`` ops by self device time (CPU time on a CPU; on a GPU by self host
+    time too) of one no-grad forward of T tokens for each model, with the op count: where one forward spends more
+    than another."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(3, base.config.vocab_size, (1, T), device=device)
@@ -299,13 +371,16 @@ def profile_forward(models: dict, T: int, base, device, top: int = 15) -> None:
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
         print(f"# profile {name} T={T}: {ops} aten ops\n" + events.table(sort_by=sort, row_limit=top),
               file=sys.stderr)
+        if device.type == "cuda":  # where the host's time goes (the share of small T is host-bound)
+            print(f"# profile {name} T={T}, by host time\n" + events.table(sort_by="self_cpu_time_total",
+                                                                            row_limit=top), file=sys.stderr)
 
 
 def markdown(rows: list[dict]) -> str:
     from moelab.lab import markdown_table
 
-    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "layer_ms", "experts/layer", "tokens_per_s",
-            "rel_err_vs"]
+    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "fwd_layer_ms", "layer_ms", "experts/layer",
+            "tokens_per_s", "rel_err_vs"]
     return markdown_table([{k: row.get(k, "") for k in keys} for row in rows])
 
 

@@ -272,10 +272,11 @@ def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     """
     T, K = top_k_index.shape
     ids = top_k_index
-    on_input = dict(apply_router_weight_on_input=True) if apply_router_weight_on_input else {}
-    moe_args = dict(num_experts=num_experts, top_k=K, validate=False, **on_input)
-    if bank is None or lora_ids is None:
-        return routed_moe((ids, top_k_weights), hidden_states, weights, **moe_args)[0]
+    if bank is None or lora_ids is None:  # the base MoE: the tuple takes routed_moe's fast path (no per-check cost)
+        return routed_moe((ids, top_k_weights), hidden_states, weights, num_experts=num_experts, top_k=K,
+                          validate=False, apply_router_weight_on_input=apply_router_weight_on_input)[0]
+    moe_args = dict(num_experts=num_experts, top_k=K, validate=False,
+                    apply_router_weight_on_input=apply_router_weight_on_input)
     use_triton = weights.backend != "torch"
     delta = w13_lora_delta(hidden_states, ids, lora_ids, bank, validate=False, use_triton=use_triton)
     if apply_router_weight_on_input:  # the expert sees w * x; its LoRA delta is linear in x
@@ -336,11 +337,18 @@ def _module_params(module: nn.Module, spec: ExpertsSpec) -> tuple:
     stack = module.__dict__.get("_moelab_stacker")
     if stack is not None:
         return stack(module)
-    first = module.gate_up_proj if spec.gated else module.up_proj
+    first = _param(module, "gate_up_proj" if spec.gated else "up_proj")
     if not spec.has_bias:
-        return first, module.down_proj, None, None
-    return (first, module.down_proj, getattr(module, "gate_up_proj_bias" if spec.gated else "up_proj_bias"),
-            module.down_proj_bias)
+        return first, _param(module, "down_proj"), None, None
+    return (first, _param(module, "down_proj"), _param(module, "gate_up_proj_bias" if spec.gated else "up_proj_bias"),
+            _param(module, "down_proj_bias"))
+
+
+def _param(module: nn.Module, name: str) -> torch.Tensor:
+    """``getattr(module, name)``, read from ``module._parameters`` first (a dict lookup: this runs on every call;
+    nn.Module's ``__getattr__`` costs 5x more)."""
+    p = module._parameters.get(name)
+    return p if p is not None else getattr(module, name)
 
 
 def _stacked_spec(spec: ExpertsSpec) -> ExpertsSpec:
