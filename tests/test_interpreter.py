@@ -230,3 +230,41 @@ def test_every_moelab_kernel_goes_through_jit():
                 assert type(value) is kind, f"{module.__name__}.{name} is {type(value).__name__}, not {kind.__name__}"
                 found += 1
     assert found >= 20, found
+
+
+def _row_sum_max(x_ptr, out_ptr, N: tl.constexpr):
+    row = tl.program_id(0)
+    x = tl.load(x_ptr + row * N + tl.arange(0, N))
+    tl.store(out_ptr + row, tl.sum(x, axis=0) + tl.max(x, axis=0))
+
+
+def test_launches_from_two_threads():
+    """Two threads launching moelab kernels at once (a data loader next to the model, say) both get the right
+    result and leave Triton's library compiled: launches take turns (without that, one thread's restore could put
+    the other's interpreted twins back for good, and Triton's interpreter keeps one global grid position)."""
+    import threading
+
+    kernel = _common.jit(_row_sum_max)
+    if not isinstance(kernel, ScopedInterpretedFunction):
+        pytest.skip(f"moelab's kernels are {type(kernel).__name__} here (a GPU, or TRITON_INTERPRET set)")
+    xs = [torch.randn(64, 16, dtype=torch.float32) for _ in range(2)]
+    outs = [torch.full((64,), float("nan")) for _ in range(2)]
+
+    def launch(i):
+        for _ in range(3):
+            kernel[(64,)](xs[i], outs[i], N=16)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads switch often, inside launches
+    try:
+        threads = [threading.Thread(target=launch, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    for x, out in zip(xs, outs):
+        want = x.double().sum(1) + x.double().max(1).values
+        assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-6)
+    assert isinstance(tl.sum, JITFunction) and not isinstance(tl.sum, InterpretedFunction)
