@@ -268,3 +268,41 @@ def test_launches_from_two_threads():
         want = x.double().sum(1) + x.double().max(1).values
         assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-6)
     assert isinstance(tl.sum, JITFunction) and not isinstance(tl.sum, InterpretedFunction)
+
+
+@triton.jit
+def _users_kernel(x_ptr):
+    tl.store(x_ptr, tl.sum(tl.zeros((4,), dtype=tl.float32), axis=0))
+
+
+def _rank_report(rank, world_size, seed):
+    """What a torch.distributed rank sees after its own ``import moelab`` (this module, imported by name) and one
+    moelab kernel call: the environment variable, the kinds of kernel, moelab's error against the reference."""
+    from moelab import reference
+
+    g = torch.Generator().manual_seed(seed + rank)
+    T, K, E, H, I = 3, 2, 4, 32, 16
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    topk_weights, topk_ids = moelab.route(torch.randn(T, E, generator=g), K, "renormalize")
+    weights = moelab.prepare_weights(w13, w2, backend="triton")
+    (out,) = moelab.routed_moe((topk_ids, topk_weights), x, weights, num_experts=E, top_k=K)
+    ref = reference.routed_moe(topk_ids, topk_weights, x, w13, w2)["output"]
+    from moelab.kernels import moe_gemm
+
+    return {"variable": os.environ.get("TRITON_INTERPRET", "unset"), "moelab": type(moe_gemm._gemm2_kernel).__name__,
+            "users": type(_users_kernel).__name__, "sum": type(tl.sum).__name__,
+            "err": ((out.double() - ref).norm() / ref.norm()).item()}
+
+
+def test_spawned_ranks_scope_it_themselves():
+    """torch.distributed ranks spawned from a process that ran moelab's kernels (this one) import moelab
+    themselves and get the same: no TRITON_INTERPRET, moelab's kernels interpreted, the user's compiled."""
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        pytest.skip("the scoped interpreter: a CPU machine, TRITON_INTERPRET unset")
+    kernel = _common.jit(_row_sum_max)
+    kernel[(2,)](torch.randn(2, 16), torch.empty(2), N=16)  # a moelab-made kernel ran here first
+    seed = int(torch.randint(0, 2**31, ()).item())
+    for r in moelab.distributed.spawn_ranks(_rank_report, 2, seed, timeout=60):
+        assert r["variable"] == "unset" and r["moelab"] == "ScopedInterpretedFunction", r
+        assert r["users"] == r["sum"] == "JITFunction" and r["err"] < 1e-5, r
