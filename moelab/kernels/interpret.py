@@ -8,8 +8,11 @@ runs it), the rest of the process untouched. One thing the interpreter needs fro
 library functions written in Triton (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) are compiled ``JITFunction`` objects
 when Triton was imported without the switch, which the interpreter cannot call. While a moelab kernel is launched
 (``kernel[grid](...)``), the ``triton.language`` modules' ``JITFunction`` attributes are swapped for interpreted
-twins, and put back after, also when the kernel raises (the same kind of temporary patch Triton's interpreter
-itself applies to ``triton.language`` during every launch).
+twins (the same kind of temporary patch Triton's interpreter itself applies to ``triton.language`` during every
+launch). After it, also when it raises, every name of those modules (and of the classes the interpreter patches)
+holds its old value again: the twins go, and so do the patches Triton's interpreter leaves in
+``triton.language.core`` when a kernel calls a library function (a user's kernel calling ``tl.zeros`` then failed to
+compile for a GPU target).
 
 Nothing else changes: no environment variable and no Triton knob is set, even during a launch, so a kernel defined
 meanwhile is a compiled ``JITFunction`` and a child process (pytest-xdist worker, torch.distributed rank) decides
