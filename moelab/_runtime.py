@@ -10,7 +10,7 @@ process (Liger's, torch.compile's, the user's own) is compiled as it would be wi
 ``TRITON_INTERPRET``, Triton's own switch, still rules where it is set (read once, at import, the way Triton reads
 it): ``TRITON_INTERPRET=1`` interprets every Triton kernel of the process, moelab's included, also next to a GPU;
 ``TRITON_INTERPRET=0`` interprets none: moelab's kernels are compiled, so on a CPU its triton backend is unavailable
-and its ops take their torch paths (what ``moelab.distributed``'s CPU ranks use).
+and its ops take their torch paths (how the CPU ranks of ``moelab.distributed``'s tests and ``--tiny`` bench run).
 """
 
 from __future__ import annotations
