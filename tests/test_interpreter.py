@@ -154,6 +154,13 @@ def test_kernels_outside_moelab_stay_compiled(tmp_path):
 def test_triton_interpret_is_tritons_switch(tmp_path, variable):
     """TRITON_INTERPRET=1 interprets every kernel of the process (moelab's included, by Triton's own function);
     TRITON_INTERPRET=0 none: moelab's kernels are compiled, and on a CPU its triton backend is unavailable."""
+    if variable == "1":
+        import numpy
+
+        try:
+            moelab._runtime.check_interpreter_numpy(triton.__version__, numpy.__version__)
+        except ImportError as e:  # e.g. a GPU box with triton 3.6 and NumPy >= 2.4: import moelab refuses it
+            pytest.skip(str(e))
     r = _run_users_code(tmp_path, variable)
     _assert_same_state(r["before"], r["after"], core=variable == "0")
     assert r["after"]["variable"] == variable
