@@ -1,10 +1,11 @@
 """moelab: learn, check and measure LoRA on Mixture-of-Experts layers.
 
-Everything users call is importable from here (docs/contract.md §6). On a machine without a CUDA GPU, Triton kernels run
-in Triton's interpreter (set up by ``moelab._runtime`` before any kernel is defined).
+Everything users call is importable from here (docs/contract.md §6). On a machine without a CUDA GPU, moelab's Triton
+kernels run in Triton's interpreter, switched on for them alone: ``import moelab`` sets no ``TRITON_INTERPRET``, and
+the process's other Triton kernels stay compiled (``moelab._runtime``).
 """
 
-from moelab._runtime import set_debug  # noqa: I001  (first: configures the Triton interpreter)
+from moelab._runtime import set_debug  # noqa: I001  (first: where moelab's kernels run)
 from moelab.backends import available_backends
 from moelab.experts import LoRAExperts
 from moelab.lora import LoRABank, lora_scaling, w2_lora_delta, w13_lora_delta

@@ -1,12 +1,16 @@
 """Where moelab runs: the capability probe every backend consults.
 
-Imported first by ``moelab/__init__.py``. On a machine without a CUDA GPU it switches Triton to its interpreter
-(``TRITON_INTERPRET=1``) *before* any kernel is defined, so ``import moelab`` works on a laptop or CI box with no
-environment variable set by hand. That switch is still process-wide (other Triton kernels of the process run
-interpreted too): scoping it to moelab's kernels (:func:`moelab.kernels._common.jit`) left torchrun ranks of
-``moelab.distributed`` dying at exit ("terminate called without an active exception") whenever the variable was not
-"1", so it waits for that to be understood. ``TRITON_INTERPRET=0`` keeps moelab's kernels off the CPU (its ops then
-run their torch fallbacks there).
+On a machine without a CUDA GPU moelab's Triton kernels run in Triton's CPU interpreter, so ``import moelab``
+works on a laptop or CI box with no environment variable set by hand. The interpreter is scoped to moelab's own
+kernels (:func:`moelab.kernels._common.jit`, :mod:`moelab.kernels.interpret`): it is on only while one of them
+runs, and ``import moelab`` sets no environment variable and no Triton knob, so every other Triton kernel of the
+process (Liger's, torch.compile's, the user's own) is compiled as it would be without moelab, and child processes
+(pytest-xdist workers, torch.distributed ranks) decide for themselves when they import moelab.
+
+``TRITON_INTERPRET``, Triton's own switch, still rules where it is set (read once, at import, the way Triton reads
+it): ``TRITON_INTERPRET=1`` interprets every Triton kernel of the process, moelab's included, also next to a GPU;
+``TRITON_INTERPRET=0`` interprets none: moelab's kernels are compiled, so on a CPU its triton backend is unavailable
+and its ops take their torch paths (how the CPU ranks of ``moelab.distributed``'s tests and ``--tiny`` bench run).
 """
 
 from __future__ import annotations
@@ -15,18 +19,17 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-#: True when moelab's Triton kernels run in Triton's CPU interpreter (numpy under the hood).
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 try:
-    import triton  # noqa: F401
+    import triton
 
     HAS_TRITON = True
 except ImportError:  # e.g. macOS: no triton wheel
     HAS_TRITON = False
+
+#: True when moelab's Triton kernels run in Triton's CPU interpreter (numpy under the hood): ``TRITON_INTERPRET``
+#: as Triton parses it where set, else where no CUDA GPU is found.
+INTERPRET: bool = (not torch.cuda.is_available() if os.environ.get("TRITON_INTERPRET") is None
+                   else HAS_TRITON and triton.knobs.runtime.interpret)
 
 
 def _version(text: str) -> tuple[int, ...]:

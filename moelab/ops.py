@@ -55,8 +55,8 @@ def _check_map(e2p: torch.Tensor, num_rows: int, validate: bool) -> None:
 def _use_triton(device: torch.device, use_triton: bool | None) -> bool:
     can = _runtime.triton_can_run(device)
     if use_triton and not can:
-        raise ValueError(f"use_triton: Triton cannot run on {device} here (no triton, or a CPU tensor without "
-                         "TRITON_INTERPRET=1); pass use_triton=None")
+        raise ValueError(f"use_triton: Triton cannot run on {device} here (no triton, or a CPU tensor where moelab "
+                         "does not interpret: next to a CUDA GPU or under TRITON_INTERPRET=0); pass use_triton=None")
     return can if use_triton is None else use_triton
 
 

@@ -41,7 +41,8 @@ def unavailable_reason(device: torch.device) -> str | None:
         return "the triton package is not installed"
     if _runtime.triton_can_run(device):
         return None
-    return f"Triton runs on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; got {device.type}"
+    return (f"moelab's Triton kernels run on CUDA tensors, or on CPU tensors in Triton's interpreter (where no CUDA "
+            f"GPU is found unless TRITON_INTERPRET=0, or anywhere under TRITON_INTERPRET=1); got {device.type}")
 
 
 def expert_options_reason(**options) -> str | None:

@@ -2,7 +2,7 @@
 
 Two interpreter bugs (both absent on a GPU) would otherwise skew every bf16 result on a CPU:
 - ``tl.dot`` multiplies the raw bits of bfloat16 operands (triton issue 11584): kernels upcast dot operands
-  to fp32 when interpreting (their ``DOT_F32`` flag).
+  to fp32 when interpreting (``moelab._runtime.INTERPRET``; their ``DOT_F32`` flag).
 - fp32 -> bf16 conversion truncates instead of rounding to nearest even, doubling the rounding error:
   :func:`to_output` rounds by integer arithmetic first when interpreting.
 """
@@ -28,12 +28,23 @@ def dot_flags(dtype: torch.dtype) -> dict:
 
 
 def jit(fn):
-    """``triton.jit`` for moelab's kernels: the one place that decides how they run (compiled on a GPU, repeated
-    launches through :class:`moelab.kernels.launch.CachedLaunchJIT`; in Triton's interpreter under
-    ``TRITON_INTERPRET=1``, which ``moelab._runtime`` sets where no CUDA GPU is found)."""
-    if _runtime.INTERPRET:
+    """``triton.jit`` for moelab's kernels, the one place that decides how they run (``moelab._runtime``):
+
+    - compiled (a CUDA GPU, or ``TRITON_INTERPRET=0``): a :class:`moelab.kernels.launch.CachedLaunchJIT`, whose
+      repeated launches skip Triton's per-call dispatch;
+    - no CUDA GPU and ``TRITON_INTERPRET`` unset: a :class:`moelab.kernels.interpret.ScopedInterpretedFunction`,
+      run by Triton's interpreter, which it switches on for its own launches only (the process's other Triton
+      kernels stay compiled ``JITFunction`` objects);
+    - ``TRITON_INTERPRET=1`` (Triton's own switch, every kernel of the process interpreted): ``triton.jit``'s own
+      ``InterpretedFunction``.
+    """
+    if not _runtime.INTERPRET:
+        return CachedLaunchJIT(fn)
+    if triton.knobs.runtime.interpret:
         return triton.jit(fn)
-    return CachedLaunchJIT(fn)
+    from moelab.kernels.interpret import ScopedInterpretedFunction
+
+    return ScopedInterpretedFunction(fn)
 
 
 @jit
