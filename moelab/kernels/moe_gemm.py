@@ -35,14 +35,21 @@ import triton.language as tl
 from moelab import _runtime
 from moelab.kernels._common import dot_flags, jit, to_output, wait_for_previous_kernel
 from moelab.kernels.fused_lora import (
+    AdapterLoopLoRA,
     DecodeLoRA,
     TileLoRA,
     caller_weight_ratio,
+    expand_other_adapters,
     lora_expand,
+    own_a_t,
     own_adapter_blocks,
+    own_b,
+    own_s,
     stacked_a,
     stacked_b,
     stacked_s,
+    tile_adapters,
+    w2_shrink_share,
 )
 from moelab.permutation import Segments, cdiv
 
@@ -246,6 +253,10 @@ def _gemm1_swiglu_kernel(
     # words (IN_WEIGHT_PACKED), None: inputs as they are
     bias_ptr=None, in_weight_ptr=None, ACTIVATION: tl.constexpr = "silu", GATED: tl.constexpr = True,
     SWIGLU_ALPHA: tl.constexpr = None, SWIGLU_LIMIT: tl.constexpr = None, IN_WEIGHT_PACKED: tl.constexpr = False,
+    # LORA_OWN (the adapter loop, fused_lora.py): s13 [T*K or R, 2, R_PAD] of each row's own adapter, the bank's rank
+    # table ranks_ptr int32 [L]; the tile's lowest adapter expanded from operands read before the K loop, the others
+    # after it, RANK_CHUNK ranks a step
+    ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
         act_ptr, stride_act_r, block_group_ptr, num_live_blocks, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -270,22 +281,36 @@ def _gemm1_swiglu_kernel(
         else:
             in_weight = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0.0).to(tl.float32)
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
-        if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
-            _, has_lora, own = own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
-            j = tl.arange(0, L_PAD * R_PAD)
-            s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
-            s_up = tl.load(s_ptrs, mask=own, other=0.0)
-            s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
-            a_cols, a_ok, _ = stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
-            a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
-            a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
-        else:
-            has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-            s_up = stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-            s_gate = stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-        bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
-        b_up = stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
-        b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
+        if LORA_OWN:  # by slot at decode, by row in tiles; the lowest adapter's rows, its B (and A_down at decode)
+            if LORA_DECODE:
+                s_rows = tl.where(row_ok, slots, 0).to(tl.int64)
+            else:
+                s_rows = rows.to(tl.int64)
+            adapters, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, tokens, row_ok, num_loras, ranks_ptr, max_rank)
+            has_lora = hi >= 0
+            s_up = own_s(s13_ptr, s_rows, 2 * R_PAD, adapters == lo, rank_lo, R_PAD)
+            s_gate = own_s(s13_ptr + R_PAD, s_rows, 2 * R_PAD, adapters == lo, rank_lo, R_PAD)
+            b_up = own_b(up_b_ptr, lo, rank_lo, expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD)
+            b_gate = own_b(gate_b_ptr, lo, rank_lo, expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD)
+            if LORA_DECODE:
+                a2 = own_a_t(down_a_ptr, lo, rank_lo, expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD)
+        else:  # stacked columns
+            if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
+                _, has_lora, own = own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
+                j = tl.arange(0, L_PAD * R_PAD)
+                s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
+                s_up = tl.load(s_ptrs, mask=own, other=0.0)
+                s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
+                a_cols, a_ok, _ = stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
+                a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
+                a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
+            else:
+                has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+                s_up = stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+                s_gate = stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
+            b_up = stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
+            b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
@@ -331,14 +356,25 @@ def _gemm1_swiglu_kernel(
         if has_lora:  # W13 LoRA, [up | gate] rank vectors, expanded before the activation
             acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
             acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
+            if LORA_OWN:  # the tile's other adapters
+                rest = (ranks_ptr, expert, cols, col_ok, I, num_local_experts, max_rank, None, act_ptr.dtype.element_ty,
+                        False, RANK_CHUNK, DOT_F32, DOT_PRECISION)
+                acc_up = expand_other_adapters(acc_up, adapters, lo, hi, s13_ptr, s_rows, 2 * R_PAD, up_b_ptr, *rest)
+                acc_gate = expand_other_adapters(acc_gate, adapters, lo, hi, s13_ptr + R_PAD, s_rows, 2 * R_PAD,
+                                                 gate_b_ptr, *rest)
     act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:
         if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
-            part = lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
-            s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
-            tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
+            if LORA_OWN:
+                w2_shrink_share(act, a2, adapters, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, ranks_ptr, expert,
+                                cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
+            else:
+                part = lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32,
+                                   DOT_PRECISION)
+                s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
+                tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
 
 
 @jit
@@ -355,6 +391,9 @@ def _gemm2_kernel(
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     bias_ptr=None,  # GEMM2's bias [E_local, H] (None: none), added to live rows (row_to_slot_ptr: the real slots)
+    # LORA_OWN (the adapter loop): s2 of each row's own adapter, [T*K, R_PAD] fp32 unweighted (decode) or [R, R_PAD]
+    # weighted (tiles); the rank table; the lowest adapter's operands read now, the others after the K loop
+    ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
         out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -365,20 +404,37 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
-        if LORA_DECODE:  # GEMM1's W2 shrink of each row's own adapter block, by slot, weighted after the K loop
+        if LORA_OWN:
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
-            adapters, has_lora, own = own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
-                                                          R_PAD)
-            j = tl.arange(0, L_PAD * R_PAD)
-            s2_sum = tl.load(s2_ptr + slots[:, None] * (L_PAD * R_PAD) + j[None, :], mask=own, other=0.0)
-            ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
-        else:
-            has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-            s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-        b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
-                            L_PAD, R_PAD)
+            adapters, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr,
+                                                      max_rank)
+            has_lora = hi >= 0
+            if LORA_DECODE:  # GEMM1's sums by slot, weighted and rounded after the K loop
+                s_rows = slots
+                ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+                s2_sum = own_s(s2_ptr, s_rows, R_PAD, adapters == lo, rank_lo, R_PAD)
+            else:
+                s_rows = rows.to(tl.int64)
+                ratio = None
+                s_down = own_s(s2_ptr, s_rows, R_PAD, adapters == lo, rank_lo, R_PAD)
+            b_down = own_b(down_b_ptr, lo, rank_lo, expert, cols, col_ok, H, num_local_experts, max_rank, R_PAD)
+        else:  # stacked columns
+            if LORA_DECODE:  # GEMM1's W2 shrink of each row's own adapter block, by slot, weighted after the K loop
+                slots = tl.load(row_to_slot_ptr + rows)
+                row_ok = slots >= 0
+                slots = tl.where(row_ok, slots, 0).to(tl.int64)
+                adapters, has_lora, own = own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
+                                                              R_PAD)
+                j = tl.arange(0, L_PAD * R_PAD)
+                s2_sum = tl.load(s2_ptr + slots[:, None] * (L_PAD * R_PAD) + j[None, :], mask=own, other=0.0)
+                ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+            else:
+                has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+                s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
+                                L_PAD, R_PAD)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
@@ -402,6 +458,10 @@ def _gemm2_kernel(
             s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
             acc = lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
+            if LORA_OWN:  # the tile's other adapters
+                acc = expand_other_adapters(acc, adapters, lo, hi, s2_ptr, s_rows, R_PAD, down_b_ptr, ranks_ptr, expert,
+                                            cols, col_ok, H, num_local_experts, max_rank, ratio,
+                                            act_ptr.dtype.element_ty, LORA_DECODE, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -414,7 +474,8 @@ _NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
 
 
 def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
-                 config: GemmConfig, delta: torch.Tensor | None = None, lora: TileLoRA | DecodeLoRA | None = None,
+                 config: GemmConfig, delta: torch.Tensor | None = None,
+                 lora: TileLoRA | DecodeLoRA | AdapterLoopLoRA | None = None,
                  dead_fill: float = 0.0, pdl: dict | None = None, activation: str = "silu", gated: bool = True,
                  swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
                  bias: torch.Tensor | None = None, input_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -453,7 +514,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
 
 
 def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, config: GemmConfig,
-          lora: TileLoRA | DecodeLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None,
+          lora: TileLoRA | DecodeLoRA | AdapterLoopLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None,
           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
