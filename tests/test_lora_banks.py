@@ -38,30 +38,30 @@ def _spy(monkeypatch, names):
     return calls
 
 
-def _run(mode, monkeypatch, *, T=40, K=2, H=32, I=24, dtype=torch.bfloat16, ranks=(64, 8, 32, 16, 3), max_rank=64,
-         seed=0, lora_ids=None):
+def _run(mode, monkeypatch, device, *, T=40, K=2, H=32, I=24, dtype=torch.bfloat16, ranks=(64, 8, 32, 16, 3),
+         max_rank=64, seed=0, lora_ids=None):
     if mode != "decode":
         monkeypatch.setattr(triton_backend, "FUSED_DECODE_MAX_SLOTS", 0)
     E = MODES[mode]["E"]
     L = len(ranks)
     if lora_ids is None:  # every adapter and -1 in every tile
         lora_ids = (torch.arange(T) * 7 + seed) % (L + 1) - 1
-    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, "cpu", L=L, ranks=ranks, seed=seed,
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=L, ranks=ranks, seed=seed,
                                                           lora_ids=lora_ids)
-    bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, "cpu")
+    bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, device)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="adapter-loop")
     return experts, (x, w, ids, lora_ids), reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype, seed", [(torch.bfloat16, 0), (torch.float32, 1)])
-def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch):
+def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch, device):
     """Ranks 64, 8, 32, 16, 3 in a max_rank-64 bank (R_PAD 64: the rank-8 and rank-3 slots are mostly padding),
     all five adapters and tokens without one in every tile; all float buffers poisoned; -1 tokens equal the base
     path's rows bit for bit."""
     launches = _spy(monkeypatch, ["adapter_loop_decode_launch", "adapter_loop_shrink_w13", "adapter_loop_shrink_w2",
                                   "adapter_sorted_segments"])
-    experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, dtype=dtype, seed=seed)
+    experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, device, dtype=dtype, seed=seed)
     assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
     _poison_empty(monkeypatch)
     moelab.set_debug(True)
@@ -81,14 +81,14 @@ def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch):
+def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device):
     """A rank-8 adapter in a max_rank-64 bank: its rows' rank vectors are written in all 64 columns, zeros past 8
     (the scratch starts as NaN), so nothing past an adapter's rank can reach a product."""
     kept = []
     for name in ("adapter_loop_decode_launch", "adapter_loop_shrink_w13"):
         original = getattr(fused_lora, name)
         monkeypatch.setattr(fused_lora, name, lambda *a, _f=original, **k: kept.append(_f(*a, **k)) or kept[-1])
-    experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, dtype=torch.float32, ranks=(8, 64), seed=2)
+    experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, device, dtype=torch.float32, ranks=(8, 64), seed=2)
     moelab.set_debug(True)  # the scratch buffers are NaN-poisoned
     try:
         out = experts(x, w, ids, lora_ids)
@@ -98,7 +98,7 @@ def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch):
     (lora,) = kept
     if lora.decode:  # by slot
         slot_adapter = torch.repeat_interleave(lora_ids, ids.shape[1])
-        rows = torch.arange(slot_adapter.numel())
+        rows = torch.arange(slot_adapter.numel(), device=device)
     else:  # by permuted row
         live = lora.segments.row_to_slot >= 0
         rows = torch.nonzero(live).flatten()
@@ -113,11 +113,12 @@ def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch):
         assert torch.equal(lora.s2[rank8][:, 8:], torch.zeros_like(lora.s2[rank8][:, 8:]))
 
 
-def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch):
+def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch, device):
     """The kernels read each slot's rank from ``LoRABank.rank_table()``: ``set`` and ``reset`` update it in place
     (the same tensor, as a captured CUDA graph reads it), a ``ranks`` list assigned directly is copied at the next
     call; a slot reloaded with a higher rank is then right (a stale table would cut its ranks)."""
-    experts, (x, w, ids, lora_ids), _ = _run("decode", monkeypatch, dtype=torch.float32, ranks=(4, 8), max_rank=16)
+    experts, (x, w, ids, lora_ids), _ = _run("decode", monkeypatch, device, dtype=torch.float32, ranks=(4, 8),
+                                             max_rank=16)
     bank = experts.lora
     table = bank.rank_table()
     assert table.tolist() == [4, 8]
@@ -137,17 +138,20 @@ def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch):
     assert bank.rank_table().tolist() == [16, 8]
 
 
-def test_adapter_sorted_segments_are_the_expert_segments_sorted_by_adapter():
+def test_adapter_sorted_segments_are_the_expert_segments_sorted_by_adapter(device):
     """Same tile-aligned expert segments as the base path's (same sizes, same tiles), each expert's rows holding its
     slots ordered by (adapter, token); slot_to_row and row_to_slot inverse to each other."""
     from moelab.kernels.segments import build_segments_triton
+    from moelab.permutation import Segments
 
     T, K, E, tile, offset = 37, 3, 4, 16, 2
     g = torch.Generator().manual_seed(3)
     ids = torch.rand(T, E + offset, generator=g).topk(K, dim=1).indices.to(torch.int32)  # some slots not local
     lora_ids = torch.randint(-1, 5, (T,), generator=g)
-    seg = fused_lora.adapter_sorted_segments(ids, lora_ids, E, tile, offset, {})
-    base = build_segments_triton(ids, E, tile, offset=offset)
+    seg = fused_lora.adapter_sorted_segments(ids.to(device), lora_ids.to(device), E, tile, offset, {})
+    base = build_segments_triton(ids.to(device), E, tile, offset=offset)
+    seg, base = (Segments(v.slot_to_row.cpu(), v.row_to_slot.cpu(), v.block_group.cpu(), v.tile, v.num_groups)
+                 for v in (seg, base))
     assert torch.equal(seg.block_group, base.block_group)
     assert torch.equal(seg.slot_to_row < 0, base.slot_to_row < 0)
     live = torch.nonzero(seg.slot_to_row >= 0).flatten()
@@ -163,12 +167,12 @@ def test_adapter_sorted_segments_are_the_expert_segments_sorted_by_adapter():
         assert (ids.flatten()[slots] - offset == e).all()
 
 
-def test_adapter_loop_under_expert_parallelism(monkeypatch):
+def test_adapter_loop_under_expert_parallelism(monkeypatch, device):
     """A window of 3 of 8 experts (slots outside it write nothing), tile mode: this rank's partial sum."""
     monkeypatch.setattr(triton_backend, "FUSED_DECODE_MAX_SLOTS", 0)
     T, K, E, H, I, offset, n, dtype = 12, 3, 8, 32, 16, 4, 3, torch.float32
-    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, "cpu", L=3, ranks=(20, 4, 9), seed=6)
-    bank = make_bank(adapters, n, offset, H, I, 20, dtype, "cpu")
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=3, ranks=(20, 4, 9), seed=6)
+    bank = make_bank(adapters, n, offset, H, I, 20, dtype, device)
     experts = moelab.LoRAExperts(w13[offset:offset + n], w2[offset:offset + n], num_experts=E, top_k=K, lora=bank,
                                  local_expert_offset=offset, backend="triton", fused="adapter-loop")
     ref = reference.lora_experts(x, w, ids, lora_ids, w13[offset:offset + n], w2[offset:offset + n], bank,
@@ -176,16 +180,16 @@ def test_adapter_loop_under_expert_parallelism(monkeypatch):
     assert_close_to_reference(experts(x, w, ids, lora_ids), ref["output"], dtype, "window")
 
 
-def test_wide_banks_take_the_adapter_loop_and_narrow_ones_keep_stacked_columns(monkeypatch):
+def test_wide_banks_take_the_adapter_loop_and_narrow_ones_keep_stacked_columns(monkeypatch, device):
     """The module's own choice: a bank past MAX_FUSED_LORA_COLUMNS stacked columns (4 adapters of max_rank 64: 256)
     runs the adapter loop, fused=True too; a narrow one keeps the stacked decode mode; forcing a stacked mode on a
     wide bank raises, naming the argument."""
     calls = _spy(monkeypatch, ["adapter_loop_decode_launch", "decode_segments_w13_shrink"])
     for max_rank, fused, want in [(64, None, "adapter_loop_decode_launch"), (64, True, "adapter_loop_decode_launch"),
                                   (8, None, "decode_segments_w13_shrink")]:
-        x, ids, w, w13, w2, lora_ids, adapters = make_problem(3, 2, 4, 32, 16, torch.float32, "cpu", L=4,
+        x, ids, w, w13, w2, lora_ids, adapters = make_problem(3, 2, 4, 32, 16, torch.float32, device, L=4,
                                                               ranks=(8, 4, 2, 8))
-        bank = make_bank(adapters, 4, 0, 32, 16, max_rank, torch.float32, "cpu")
+        bank = make_bank(adapters, 4, 0, 32, 16, max_rank, torch.float32, device)
         experts = moelab.LoRAExperts(w13, w2, num_experts=4, top_k=2, lora=bank, backend="triton", fused=fused)
         assert experts.fused
         calls.clear()
@@ -193,7 +197,44 @@ def test_wide_banks_take_the_adapter_loop_and_narrow_ones_keep_stacked_columns(m
         assert calls == [want]
         assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
                                   torch.float32, f"max_rank {max_rank}")
-    wide = make_bank(adapters, 4, 0, 32, 16, 64, torch.float32, "cpu")
+    wide = make_bank(adapters, 4, 0, 32, 16, 64, torch.float32, device)
     for path in ("tiles", "decode"):
         with pytest.raises(ValueError, match=f"fused:.*'{path}' path takes banks of at most 64 stacked columns"):
             moelab.LoRAExperts(w13, w2, num_experts=4, top_k=2, lora=wide, backend="triton", fused=path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU sizes and CUDA graphs (runs on the H200)")
+def test_adapter_loop_at_gpu_sizes_sorted_rows_and_cuda_graph():
+    """T = 2048, 8 experts (512 rows each: tiles of 128 rows over rows sorted by adapter), 8 adapters of ranks
+    64..8 in a max_rank-64 bank, a quarter of the tokens without one: checked against float64 on 64 tokens, -1
+    tokens bit for bit the base path's; then captured in a CUDA graph, replayed on new inputs, and replayed again
+    after ``bank.set`` reloads a slot with a higher rank (the rank table is updated in place)."""
+    T, K, E, H, I, dtype, device = 2048, 2, 8, 256, 128, torch.bfloat16, "cuda"
+    ranks = (64, 32, 16, 8) * 2
+    g = torch.Generator().manual_seed(4)
+    lora_ids = torch.randint(-1, 8, (T,), generator=g)
+    lora_ids[::4] = -1
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=8, ranks=ranks, seed=4,
+                                                          lora_ids=lora_ids)
+    bank = make_bank(adapters, E, 0, H, I, 64, dtype, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
+    none = lora_ids < 0
+    assert torch.equal(out[none], base[none])
+    rows = torch.arange(0, T, T // 64, device=device)
+    ref = reference.lora_experts(x[rows], w[rows], ids[rows], lora_ids[rows], w13, w2, bank)
+    assert_close_to_reference(out[rows], ref["output"], dtype, "eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts(x, w, ids, lora_ids, has_lora=True, validate=False)
+    x2, ids2, w2_, _, _, _, _ = make_problem(T, K, E, H, I, dtype, device, L=8, ranks=ranks, seed=9, lora_ids=lora_ids)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
+    for step in ("replay", "after set"):
+        if step == "after set":  # slot 3 (rank 8) reloaded at rank 48
+            a = make_problem(1, K, E, H, I, dtype, "cpu", L=1, ranks=(48,), seed=12)[-1][0]
+            bank.set(3, scaling=0.5, **{k: v.to(dtype).to(device) for k, v in a.items()})
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.lora_experts(x[rows], w[rows], ids[rows], lora_ids[rows], w13, w2, bank)
+        assert_close_to_reference(captured[rows], ref["output"], dtype, step)
