@@ -273,13 +273,15 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @jit
 def tile_adapters(lora_ids_ptr, tokens, row_ok, num_loras, ranks_ptr, max_rank):
-    """The adapter loop's view of a tile: each row's adapter (:func:`_row_adapters`), the lowest and the highest
-    adapter present (``num_loras`` and -1 when none) and the lowest one's rank (0 when none)."""
+    """The adapter loop's view of a tile: each row's adapter (:func:`_row_adapters`) and its rank (0 without one),
+    the lowest and the highest adapter present (``num_loras`` and -1 when none) and the lowest one's rank. The
+    ranks are read once here, before the K loop: the epilogue's loop over adapters then waits on no rank load."""
     adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
+    row_ranks = tl.load(ranks_ptr + tl.where(adapters >= 0, adapters, 0), mask=adapters >= 0, other=0)
+    row_ranks = tl.minimum(row_ranks, max_rank)
     lo = tl.min(tl.where(adapters >= 0, adapters, num_loras), axis=0)
     hi = tl.max(adapters, axis=0)
-    rank = tl.load(ranks_ptr + tl.minimum(lo, num_loras - 1))
-    return adapters, lo, hi, tl.where(hi >= 0, tl.minimum(rank, max_rank), 0)
+    return adapters, row_ranks, lo, hi, tl.max(tl.where(adapters == lo, row_ranks, 0), axis=0)
 
 
 @jit
@@ -320,17 +322,17 @@ def lora_dot(s, b, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @jit
-def expand_other_adapters(acc, adapters, lo, hi, s_ptr, s_rows, row_width, b_ptr, ranks_ptr, expert, cols, col_ok,
+def expand_other_adapters(acc, adapters, row_ranks, lo, hi, s_ptr, s_rows, row_width, b_ptr, expert, cols, col_ok,
                           D_out, num_local_experts, max_rank, ratio, S_DTYPE: tl.constexpr, SCALED: tl.constexpr,
                           RANK_CHUNK: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + the expand of every adapter above the tile's lowest (``lo``, expanded from operands read before the
-    K loop) up to ``hi``: a scalar test per adapter, then its rows' rank vectors times its B^T, RANK_CHUNK ranks
-    a step up to its own rank. SCALED: the rank vectors are fp32 sums, times ``ratio`` per row, rounded to
-    S_DTYPE (the decode W2 term)."""
+    K loop) up to ``hi``: a scalar test per adapter (its rank among the rows, 0: absent), then its rows' rank
+    vectors times its B^T, RANK_CHUNK ranks a step up to its own rank. SCALED: the rank vectors are fp32 sums,
+    times ``ratio`` per row, rounded to S_DTYPE (the decode W2 term)."""
     for a in range(lo + 1, hi + 1):
         mine = adapters == a
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            rank = tl.minimum(tl.load(ranks_ptr + a), max_rank)
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
             for c in range(0, rank, RANK_CHUNK):
                 s = own_s(s_ptr + c, s_rows, row_width, mine, rank - c, RANK_CHUNK)
                 if SCALED:
@@ -341,7 +343,29 @@ def expand_other_adapters(acc, adapters, lo, hi, s_ptr, s_rows, row_width, b_ptr
 
 
 @jit
-def w2_shrink_share(act, a2_lo, adapters, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, ranks_ptr, expert, cols,
+def expand_other_adapters_w13(acc_up, acc_gate, adapters, row_ranks, lo, hi, s13_ptr, s_rows, up_b_ptr, gate_b_ptr,
+                              expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD: tl.constexpr,
+                              RANK_CHUNK: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """:func:`expand_other_adapters` for GEMM1's up and gate together (one pass, one wait a step): s13 rows
+    [up | gate] of 2 * R_PAD."""
+    for a in range(lo + 1, hi + 1):
+        mine = adapters == a
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
+            for c in range(0, rank, RANK_CHUNK):
+                s_up = own_s(s13_ptr + c, s_rows, 2 * R_PAD, mine, rank - c, RANK_CHUNK)
+                s_gate = own_s(s13_ptr + R_PAD + c, s_rows, 2 * R_PAD, mine, rank - c, RANK_CHUNK)
+                b_up = own_b(up_b_ptr + c, a, rank - c, expert, cols, col_ok, I, num_local_experts, max_rank,
+                             RANK_CHUNK)
+                b_gate = own_b(gate_b_ptr + c, a, rank - c, expert, cols, col_ok, I, num_local_experts, max_rank,
+                               RANK_CHUNK)
+                acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
+                acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
+    return acc_up, acc_gate
+
+
+@jit
+def w2_shrink_share(act, a2_lo, adapters, row_ranks, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, expert, cols,
                     col_ok, I, num_local_experts, max_rank, R_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr,
                     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Decode, GEMM1's epilogue: this column block's share of every row's W2 shrink, ``A_down[:, cols] act[p,
@@ -354,13 +378,13 @@ def w2_shrink_share(act, a2_lo, adapters, lo, hi, rank_lo, down_a_ptr, s2_ptr, s
     rc = tl.arange(0, RANK_CHUNK)
     for a in range(lo + 1, hi + 1):
         mine = adapters == a
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            rank = tl.minimum(tl.load(ranks_ptr + a), max_rank)
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
             for c in range(0, rank, RANK_CHUNK):
                 a2 = own_a_t(down_a_ptr + c * I, a, rank - c, expert, cols, col_ok, I, num_local_experts, max_rank,
                              RANK_CHUNK)
-                part = lora_dot(act, a2, DOT_F32, DOT_PRECISION)
-                tl.atomic_add(s2_ptr + s_rows[:, None] * R_PAD + c + rc[None, :], part,
+                chunk = lora_dot(act, a2, DOT_F32, DOT_PRECISION)
+                tl.atomic_add(s2_ptr + s_rows[:, None] * R_PAD + c + rc[None, :], chunk,
                               mask=mine[:, None] & (c + rc < rank)[None, :], sem="relaxed")
 
 
@@ -387,7 +411,8 @@ def _own_shrink_kernel(
     slots = tl.load(row_to_slot_ptr + rows)
     row_ok = slots >= 0
     slots = tl.where(row_ok, slots, 0).to(tl.int64)
-    adapters, lo, hi, _ = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr, max_rank)
+    adapters, row_ranks, lo, hi, _ = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr,
+                                                   max_rank)
     in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     r = tl.arange(0, R_PAD)
@@ -396,8 +421,8 @@ def _own_shrink_kernel(
         ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
     for a in range(lo, hi + 1):
         mine = adapters == a
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            rank = tl.minimum(tl.load(ranks_ptr + a), max_rank)
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
             a_offs = ((a * num_local_experts + expert).to(tl.int64) * max_rank + r[None, :]) * D + ks[:, None]
             a_ok = r < rank
             acc0 = tl.zeros((SUB_M, R_PAD), dtype=tl.float32)
@@ -587,8 +612,9 @@ def decode_segments_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
 
 # ---------------------------------------------------------------------------------------------- adapter loop: launchers
 
-#: Ranks the adapter loop's epilogue expands a step, for the adapters past a tile's first (tl.dot's minimum K).
-RANK_CHUNK = 16
+#: Ranks the adapter loop's epilogue expands a step, for the adapters past a tile's first: each step waits on its
+#: loads (~1 µs), so 32 (two steps for rank 64, one for the rest) rather than tl.dot's minimum of 16.
+RANK_CHUNK = 32
 
 
 def own_rank_pad(bank: LoRABank) -> int:

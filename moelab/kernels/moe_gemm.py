@@ -40,6 +40,7 @@ from moelab.kernels.fused_lora import (
     TileLoRA,
     caller_weight_ratio,
     expand_other_adapters,
+    expand_other_adapters_w13,
     lora_expand,
     own_a_t,
     own_adapter_blocks,
@@ -286,7 +287,8 @@ def _gemm1_swiglu_kernel(
                 s_rows = tl.where(row_ok, slots, 0).to(tl.int64)
             else:
                 s_rows = rows.to(tl.int64)
-            adapters, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, tokens, row_ok, num_loras, ranks_ptr, max_rank)
+            adapters, row_ranks, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, tokens, row_ok, num_loras, ranks_ptr,
+                                                                 max_rank)
             has_lora = hi >= 0
             s_up = own_s(s13_ptr, s_rows, 2 * R_PAD, adapters == lo, rank_lo, R_PAD)
             s_gate = own_s(s13_ptr + R_PAD, s_rows, 2 * R_PAD, adapters == lo, rank_lo, R_PAD)
@@ -357,18 +359,16 @@ def _gemm1_swiglu_kernel(
             acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
             acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
             if LORA_OWN:  # the tile's other adapters
-                rest = (ranks_ptr, expert, cols, col_ok, I, num_local_experts, max_rank, None, act_ptr.dtype.element_ty,
-                        False, RANK_CHUNK, DOT_F32, DOT_PRECISION)
-                acc_up = expand_other_adapters(acc_up, adapters, lo, hi, s13_ptr, s_rows, 2 * R_PAD, up_b_ptr, *rest)
-                acc_gate = expand_other_adapters(acc_gate, adapters, lo, hi, s13_ptr + R_PAD, s_rows, 2 * R_PAD,
-                                                 gate_b_ptr, *rest)
+                acc_up, acc_gate = expand_other_adapters_w13(
+                    acc_up, acc_gate, adapters, row_ranks, lo, hi, s13_ptr, s_rows, up_b_ptr, gate_b_ptr, expert,
+                    cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:
         if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
             if LORA_OWN:
-                w2_shrink_share(act, a2, adapters, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, ranks_ptr, expert,
+                w2_shrink_share(act, a2, adapters, row_ranks, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, expert,
                                 cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
             else:
                 part = lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32,
@@ -408,8 +408,8 @@ def _gemm2_kernel(
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
-            adapters, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr,
-                                                      max_rank)
+            adapters, row_ranks, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras,
+                                                                 ranks_ptr, max_rank)
             has_lora = hi >= 0
             if LORA_DECODE:  # GEMM1's sums by slot, weighted and rounded after the K loop
                 s_rows = slots
@@ -459,7 +459,7 @@ def _gemm2_kernel(
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
             acc = lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
             if LORA_OWN:  # the tile's other adapters
-                acc = expand_other_adapters(acc, adapters, lo, hi, s2_ptr, s_rows, R_PAD, down_b_ptr, ranks_ptr, expert,
+                acc = expand_other_adapters(acc, adapters, row_ranks, lo, hi, s2_ptr, s_rows, R_PAD, down_b_ptr, expert,
                                             cols, col_ok, H, num_local_experts, max_rank, ratio,
                                             act_ptr.dtype.element_ty, LORA_DECODE, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
