@@ -62,9 +62,10 @@ __all__ = ["LoRAExperts"]
 #: Left to itself (None) the module takes the fused path where its backend has one, the flow elsewhere, and the
 #: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel). On the triton backend a bank
 #: of at most ``MAX_FUSED_LORA_COLUMNS`` stacked columns takes the stacked modes (decode up to 1024 slots, tiles
-#: above: BENCHMARKS.md, "LoRA paths"), a wider one the adapter loop (BENCHMARKS.md, "Wide LoRA banks"). The
-#: crossovers stand at the constants that choose: ``MAX_FUSED_LORA_COLUMNS`` and ``FUSED_DECODE_MAX_SLOTS`` of
-#: ``moelab.backends.triton_backend``, ``moelab.lora.PER_SLOT_MAX_BYTES``.
+#: above: BENCHMARKS.md, "LoRA paths"), a wider one the adapter loop at small batches and the flow above
+#: (BENCHMARKS.md, "Wide LoRA banks"). The crossovers stand at the constants that choose: ``MAX_FUSED_LORA_COLUMNS``,
+#: ``FUSED_DECODE_MAX_SLOTS`` and ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` of ``moelab.backends.triton_backend``,
+#: ``moelab.lora.PER_SLOT_MAX_BYTES``.
 LORA_PATHS = ("tiles", "decode", "adapter-loop", "flow", "flow-grouped", "flow-per-slot")
 FUSED_MODES = LORA_PATHS[:3]
 
@@ -79,12 +80,13 @@ class LoRAExperts(nn.Module):
         lora: a :class:`moelab.LoRABank` over the same local experts, or None (base MoE only).
         backend: "auto", "flashinfer", "triton" or "torch".
         fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can (the
-            triton backend, any bank: stacked columns up to ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``,
-            L and max_rank padded to powers of two and multiplied, the adapter loop above); True: raise where it
-            cannot; False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one path (tests, benchmarks):
-            "tiles" / "decode" / "adapter-loop", a mode of the fused path, or "flow" / "flow-grouped" /
-            "flow-per-slot", the unfused flow with that mode of the delta kernel; a path this backend or bank
-            cannot run raises.
+            triton backend: stacked columns up to ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``, L and
+            max_rank padded to powers of two and multiplied; a wider bank through the adapter loop at small batches,
+            ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` there, and vLLM's flow above); True: fold at every batch size,
+            raise where the backend cannot; False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one
+            path (tests, benchmarks): "tiles" / "decode" / "adapter-loop", a mode of the fused path, or "flow" /
+            "flow-grouped" / "flow-per-slot", the unfused flow with that mode of the delta kernel; a path this
+            backend or bank cannot run raises.
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
     -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
@@ -127,6 +129,8 @@ class LoRAExperts(nn.Module):
         self.lora = lora
         self.fused = self._check_fused(fused)
         self._path = fused if isinstance(fused, str) else None
+        if fused is True and get_backend(self.backend).fused_lora_reason(self.lora, "tiles") is not None:
+            self._path = "adapter-loop"  # the one fused path a bank this wide takes, at every batch size
 
     def _check_fused(self, fused: bool | str | None) -> bool:
         if fused is not None and not isinstance(fused, bool) and fused not in LORA_PATHS:

@@ -180,23 +180,30 @@ def test_adapter_loop_under_expert_parallelism(monkeypatch, device):
     assert_close_to_reference(experts(x, w, ids, lora_ids), ref["output"], dtype, "window")
 
 
-def test_wide_banks_take_the_adapter_loop_and_narrow_ones_keep_stacked_columns(monkeypatch, device):
+def test_wide_banks_take_the_adapter_loop_at_small_batches_and_narrow_ones_keep_stacked_columns(monkeypatch, device):
     """The module's own choice: a bank past MAX_FUSED_LORA_COLUMNS stacked columns (4 adapters of max_rank 64: 256)
-    runs the adapter loop, fused=True too; a narrow one keeps the stacked decode mode; forcing a stacked mode on a
-    wide bank raises, naming the argument."""
+    runs the adapter loop up to ADAPTER_LOOP_MAX_ROWS_PER_EXPERT rows per expert (T=1, K=2, 4 experts: 0.5) and
+    vLLM's flow above (T=3), fused=True the adapter loop at both; a narrow bank keeps the stacked decode mode;
+    forcing a stacked mode on a wide bank raises, naming the argument."""
+    from moelab.backends import lora_flow
+
     calls = _spy(monkeypatch, ["adapter_loop_decode_launch", "decode_segments_w13_shrink"])
-    for max_rank, fused, want in [(64, None, "adapter_loop_decode_launch"), (64, True, "adapter_loop_decode_launch"),
-                                  (8, None, "decode_segments_w13_shrink")]:
-        x, ids, w, w13, w2, lora_ids, adapters = make_problem(3, 2, 4, 32, 16, torch.float32, device, L=4,
-                                                              ranks=(8, 4, 2, 8))
+    flow = lora_flow.lora_experts
+    monkeypatch.setattr(lora_flow, "lora_experts", lambda *a, **k: calls.append("flow") or flow(*a, **k))
+    assert triton_backend.ADAPTER_LOOP_MAX_ROWS_PER_EXPERT == 0.5
+    for T, max_rank, fused, want in [(1, 64, None, "adapter_loop_decode_launch"), (3, 64, None, "flow"),
+                                     (3, 64, True, "adapter_loop_decode_launch"),
+                                     (3, 8, None, "decode_segments_w13_shrink")]:
+        x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, 2, 4, 32, 16, torch.float32, device, L=4,
+                                                              ranks=(8, 4, 2, 8), lora_ids=torch.arange(T) % 4)
         bank = make_bank(adapters, 4, 0, 32, 16, max_rank, torch.float32, device)
         experts = moelab.LoRAExperts(w13, w2, num_experts=4, top_k=2, lora=bank, backend="triton", fused=fused)
         assert experts.fused
         calls.clear()
         out = experts(x, w, ids, lora_ids)
-        assert calls == [want]
+        assert calls == [want], (T, max_rank, fused)
         assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
-                                  torch.float32, f"max_rank {max_rank}")
+                                  torch.float32, f"T={T} max_rank {max_rank} fused={fused}")
     wide = make_bank(adapters, 4, 0, 32, 16, 64, torch.float32, device)
     for path in ("tiles", "decode"):
         with pytest.raises(ValueError, match=f"fused:.*'{path}' path takes banks of at most 64 stacked columns"):
@@ -217,7 +224,7 @@ def test_adapter_loop_at_gpu_sizes_sorted_rows_and_cuda_graph():
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=8, ranks=ranks, seed=4,
                                                           lora_ids=lora_ids)
     bank = make_bank(adapters, E, 0, H, I, 64, dtype, device)
-    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="adapter-loop")
     out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
     none = lora_ids < 0
     assert torch.equal(out[none], base[none])
@@ -238,3 +245,16 @@ def test_adapter_loop_at_gpu_sizes_sorted_rows_and_cuda_graph():
         torch.cuda.synchronize()
         ref = reference.lora_experts(x[rows], w[rows], ids[rows], lora_ids[rows], w13, w2, bank)
         assert_close_to_reference(captured[rows], ref["output"], dtype, step)
+
+
+def test_adapter_loop_fp32_decode_tile_fits_the_h200_shared_memory():
+    """fp32 decode tiles hold the adapter loop's operands in shared memory: the H200 refused the 16x128x128 tile
+    at one stage (245760 B asked, 232448 there, R_PAD 64); counted, the tile choice halves BLOCK_K to fit."""
+    from moelab.kernels.moe_gemm import DeviceLimits, GemmConfig, choose_config, shared_memory_bytes
+
+    h200 = DeviceLimits((9, 0), 232448)
+    assert shared_memory_bytes(GemmConfig(16, 128, 128, 4, 1), 4, 64, lora_own=True) == 245760
+    cfg = choose_config(3, 2, 8, torch.float32, 64, device=h200, lora_own=True)
+    assert cfg.block_m == 16 and shared_memory_bytes(cfg, 4, 64, lora_own=True) <= h200.shared_memory
+    bf16 = choose_config(32, 8, 128, torch.bfloat16, 64, device=h200, lora_own=True)  # as measured: unchanged
+    assert bf16 == choose_config(32, 8, 128, torch.bfloat16, 64, device=h200)

@@ -76,7 +76,8 @@ class FusedLoRA:
 #: best mode: T=1 43 vs 75, T=32 276 vs 312, T=128 330 vs 400, T=1024 444 vs 548; eager T=4096 900 vs 1958 (base
 #: MoE without LoRA: 40, 268, 309, 404; eager 820). ``python -m moelab.bench --quick --impls moelab --peers none
 #: --no-ceilings --lora --lora-variants "1x all,8x mixed" --lora-paths auto,tiles,decode,flow-grouped,flow-per-slot``
-#: (BENCHMARKS.md, "LoRA paths"). Banks wider than this were not timed fused (8 adapters up to rank 64 stack 512).
+#: (BENCHMARKS.md, "LoRA paths"). Wider banks (8 adapters up to rank 64 stack 512) take the adapter loop or the
+#: flow: ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` below.
 MAX_FUSED_LORA_COLUMNS = 64
 
 
@@ -101,6 +102,19 @@ def fused_lora_reason(bank: LoRABank, path: str | None = None) -> str | None:
 #: CUDA graph, decode vs tiles): T=1 43 vs 51, T=32 276 vs 287, T=128 (1024 slots, the limit) 330 vs 332; beyond,
 #: the tiles mode runs (T=1024: 444).
 FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
+
+#: Left to itself, ``LoRAExperts`` runs a bank too wide for the stacked modes through the adapter loop while the
+#: batch has at most this many routed rows per local expert (T*K / E_local), and vLLM's unfused flow above
+#: (``fused=True`` or ``"adapter-loop"``: the adapter loop at every size). Measured on one H200, 2026-12-01, commit
+#: d629e95 (BENCHMARKS.md, "Wide LoRA banks"), bf16 Qwen3-30B-A3B (E128 K8 H2048 I768), µs in a CUDA graph
+#: (T=16384: eager), adapter loop vs the flow, base MoE 39.6 / 269 / 405 / 2786:
+#:     8 adapters, ranks 64-8:   T=1 44.9 vs 81.7,  T=32 376 vs 359,  T=1024 1076 vs 977,   T=16384 4192 vs 4230
+#:     32 adapters, ranks 64-8:  T=1 44.9 vs 81.9,  T=32 391 vs 362,  T=1024 2443 vs 1704,  T=16384 5836 vs 4878
+#: The loop wins at T=1 (0.06 rows per expert: one row a tile, its adapter's operands read before the K loop) and
+#: loses from T=32 (2 rows per expert) on, where tiles hold several adapters and each one past the first costs the
+#: epilogue a wait on its loads (and at T >= 1024 the shrinks' per-adapter K loops); at 16384 the 8-adapter bank
+#: ties (1 %). 0.5 (T <= 8 here) sits between the two measured points and was not itself measured.
+ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
@@ -131,7 +145,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
-                                               config)
+                                               config, lora is not None and lora.adapter_loop)
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
@@ -152,7 +166,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     if lora_args is not None:
         seg = lora_args.segments
     elif lora is not None and lora.adapter_loop and fused_lora.sorts_by_adapter(
-            T * K, E_local, cfg.block_m, fused_lora.adapter_sub_m(T * K, E_local, cfg.block_m, lora.bank.max_loras)):
+            T * K, E_local, lora.bank.max_loras,
+            fused_lora.adapter_sub_m(T * K, E_local, cfg.block_m, lora.bank.max_loras)):
         seg = fused_lora.adapter_sorted_segments(routing, lora.lora_ids, E_local, cfg.block_m, local_expert_offset,
                                                  pdl)  # each expert's rows sorted by adapter: few adapters a tile
     else:
@@ -184,11 +199,12 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
 
 @functools.lru_cache(maxsize=4096)
 def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
-            device: torch.device, config: GemmConfig | None) -> tuple[GemmConfig, int, int, int]:
+            device: torch.device, config: GemmConfig | None,
+            lora_own: bool = False) -> tuple[GemmConfig, int, int, int]:
     """The pipeline's host arithmetic, computed once per shape (decode calls are host-bound): the tile config
     (``config``, else :func:`choose_config`'s), the rows of the act and gemm2 buffers (FlashInfer's sizes) and the
     rows live data can reach."""
-    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device)
+    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device, lora_own=lora_own)
     return (cfg, permuted_rows(T, K, num_experts, cfg.block_m, I), permuted_rows(T, K, num_experts, cfg.block_m, H),
             max_live_rows(T * K, E_local, cfg.block_m))
 
@@ -258,6 +274,9 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     base path's."""
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, routed_moe)
+    if call.lora is not None and call.path is None and not stacked_fits(call.lora) and (
+            call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts):
+        return lora_flow.lora_experts(call, routed_moe)  # a wide bank past the adapter loop's crossover
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights

@@ -681,10 +681,11 @@ def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
     return lora
 
 
-def sorts_by_adapter(num_slots: int, num_local_experts: int, tile: int, sub_m: int) -> bool:
-    """Whether the adapter loop sorts each expert's rows by adapter: when an expert's rows span more than one
-    tile-shrink sub-tile (T >= ~512 at Qwen3 shapes), so that a sub-tile and a GEMM tile hold few adapters."""
-    return num_slots > sub_m * num_local_experts
+def sorts_by_adapter(num_slots: int, num_local_experts: int, num_loras: int, sub_m: int) -> bool:
+    """Whether the adapter loop sorts each expert's rows by adapter: for a bank of several slots, when an expert's
+    rows span more than one tile-shrink sub-tile (T >= ~512 at Qwen3 shapes), so that a sub-tile and a GEMM tile
+    hold few adapters."""
+    return num_loras > 1 and num_slots > sub_m * num_local_experts
 
 
 def adapter_sub_m(num_slots: int, num_local_experts: int, tile: int, num_loras: int) -> int:

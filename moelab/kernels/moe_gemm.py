@@ -108,15 +108,22 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return _limits[index]
 
 
-def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0) -> int:
+def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0, lora_own: bool = False) -> int:
     """Bytes of the pipeline's stages (an x tile and two weight tiles each), plus the fused LoRA's expand operands
-    on wgmma tiles (BLOCK_M >= 64: [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T)."""
+    on wgmma tiles (BLOCK_M >= 64: [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T). ``lora_own``
+    (the adapter loop, ``lora_columns`` = R_PAD) with fp32 operands: two rank-vector tiles, two B^T and A_down^T
+    [BLOCK_N, columns], on tiles of any size (on the H200 the fp32 16x128x128 decode tile asked for exactly this,
+    245760 B at R_PAD 64 with one stage, where bf16 ones ran as the stacked count says)."""
     per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
-    expand = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize if lora_columns and cfg.block_m >= 64 else 0
+    if lora_own and itemsize > 2:
+        expand = lora_columns * (2 * cfg.block_m + 3 * cfg.block_n) * itemsize
+    else:
+        expand = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize if lora_columns and cfg.block_m >= 64 else 0
     return cfg.num_stages * per_stage + expand
 
 
-def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shared_memory: int) -> GemmConfig:
+def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shared_memory: int,
+                         lora_own: bool = False) -> GemmConfig:
     """``cfg`` with as many of its pipeline stages as fit the device's shared memory less the epilogue's reserve
     (at least one stage, if that fits the device at all); where not even one stage fits, BLOCK_K, then BLOCK_N
     (down to 32), then BLOCK_M (down to 16) halve until it does."""
@@ -124,7 +131,8 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
     while True:
         for stages in range(cfg.num_stages, 0, -1):
             fitted = replace(cfg, num_stages=stages)
-            if shared_memory_bytes(fitted, itemsize, lora_columns) <= (budget if stages > 1 else shared_memory):
+            if shared_memory_bytes(fitted, itemsize, lora_columns, lora_own) <= (budget if stages > 1 else
+                                                                                  shared_memory):
                 return fitted
         if cfg.block_k > 32:
             cfg = replace(cfg, block_k=cfg.block_k // 2)
@@ -138,7 +146,7 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
 
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
                   dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0,
-                  device: torch.device | DeviceLimits | None = None) -> GemmConfig:
+                  device: torch.device | DeviceLimits | None = None, lora_own: bool = False) -> GemmConfig:
     """Tile sizes by rows per local expert, from the tuned table of the device's compute capability. Decode is
     weight-bandwidth bound (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for
     tensor-core reuse). The pipeline's depth then shrinks to the device's shared memory (fp32 operands take twice
@@ -147,7 +155,8 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     ``lora_columns``: the fused LoRA's stacked width. On Hopper, tiles of BLOCK_M >= 64 (wgmma) keep GEMM1's
     expand operands beside the pipeline's stages in shared memory (measured: 196608 B + 16384 B for 16 columns at
     128x128x64, 4 stages), so the pipeline gives up stages for them; the BLOCK_M = 16 decode tiles showed no such
-    growth. ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`."""
+    growth. ``lora_own``: ``lora_columns`` is the adapter loop's R_PAD (see :func:`shared_memory_bytes`).
+    ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`."""
     if not isinstance(device, DeviceLimits):
         if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
             return GemmConfig(16, 32, 32, 4, 1)
@@ -156,7 +165,7 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
-    return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory)
+    return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory, lora_own)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
