@@ -118,7 +118,13 @@ class LoRABank:
     def rank_table(self) -> torch.Tensor:
         """int32 [L] on the bank's device: :attr:`ranks`, for kernels that read only a slot's own ranks (the
         fused adapter loop). :meth:`set` and :meth:`reset` update it in place (a captured CUDA graph sees the new
-        rank); a ``ranks`` list assigned directly is copied over here, on the host, at the next call."""
+        rank); a ``ranks`` list assigned directly is copied over here, on the host, at the next call.
+
+        Example:
+            >>> bank = LoRABank(2, num_local_experts=1, hidden_size=4, intermediate_size=4, max_rank=2)
+            >>> bank.ranks = [2, 0]; bank.rank_table().tolist()
+            [2, 0]
+        """
         if tuple(self.ranks) != self._rank_table_of:
             self._rank_table.copy_(torch.tensor(self.ranks, dtype=torch.int32))
             self._rank_table_of = tuple(self.ranks)

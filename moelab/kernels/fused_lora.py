@@ -269,6 +269,14 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 #     before the segments are built: ~5 launches), so a 128-row tile at 16384 holds ~2 (8 adapters) or ~5 (32)
 #     adapters, not 8 or 32: +3-8 % of the GEMM FLOPs. The tile shrinks run on sub-tiles of those sorted rows
 #     (16-64 rows: about the rows of one (adapter, expert) pair), where one adapter's dot wastes little.
+# Measured (H200, commit d629e95, BENCHMARKS.md "Wide LoRA banks"; x the base MoE, CUDA graph, 16384 eager), for
+# 8 / 32 mixed adapters: T=1 1.13 / 1.13 (the flow: 2.06 / 2.07), T=32 1.40 / 1.46 (flow 1.34 / 1.35), T=1024
+# 2.66 / 6.0 (flow 2.41 / 4.21), T=16384 1.51 / 2.10 (flow 1.52 / 1.75). The bytes above hold at T=1 only: from
+# T=32 on tiles hold several adapters and every one past the first makes the epilogue wait on its loads (a GEMM1
+# or GEMM2 CTA of the decode tiles runs alone on its SM, so nothing hides the wait), and at T >= 1024 the tile
+# shrinks run one K loop per adapter of each sub-tile. So the module's own choice takes the loop for a wide bank at
+# small batches only (``moelab.backends.triton_backend.ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``). Next: read the operands
+# of the tile's first two adapters before the K loop (T=32: ~2 adapters a tile), and profile the T >= 1024 shrinks.
 
 
 @jit
