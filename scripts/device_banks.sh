@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 12, wide LoRA banks (the fused adapter loop): ~5.5 min wall on one H200 (its timeouts add up to 5.8). From
-# the repo root (or a copy of the tree): run(command="bash scripts/device_banks.sh", timeout_s=360)
+# Issue 12, wide LoRA banks (the fused adapter loop): 4 min wall on one H200 (244 s at d629e95; its timeouts add up
+# to 5.8). From the repo root (or a copy of the tree): run(command="bash scripts/device_banks.sh", timeout_s=360)
 # 0. The GPU tests of the LoRA paths: tests/test_lora_banks.py (the adapter loop, its GPU-size and CUDA-graph test),
 #    tests/test_experts.py and tests/test_lora.py (-k: the fused paths, path forcing, CUDA graphs, the banks).
 # 1. python -m moelab.bench --lora: Qwen3-30B-A3B, T = 1, 32, 1024, 16384, one rank-16 adapter and the 8- and
 #    32-adapter mixed banks (ranks 64/32/16/8), each with the module's own choice (auto: the stacked modes for the
-#    one adapter, the adapter loop for the mixed banks), the adapter loop forced, and vLLM's unfused flow (what
-#    auto ran for the mixed banks before: fused=False); every row checked against float64 on 4 tokens.
+#    one adapter; for the mixed banks the adapter loop up to 0.5 rows per expert, the flow above), the adapter loop
+#    forced, and vLLM's unfused flow (fused=False); every row checked against float64 on 4 tokens.
 # Writes $OUT/{env.txt,tests.log,lora.json,lora.md,lora.log}.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
