@@ -51,19 +51,23 @@ from moelab.packing import check_routing
 __all__ = ["LoRAExperts"]
 
 #: Every LoRA path of :class:`LoRAExperts`, by the name ``fused=`` forces it with (tests, benchmarks):
-#:     "tiles"          fused: shrink launches over the GEMMs' tiles (what prefill takes)
-#:     "decode"         fused: the routing launch writes the rank vectors, no shrink launch (batches of up to
-#:                      ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots)
+#:     "tiles"          fused, stacked columns: shrink launches over the GEMMs' tiles (what prefill takes)
+#:     "decode"         fused, stacked columns: the routing launch writes the rank vectors, no shrink launch
+#:                      (batches of up to ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots)
+#:     "adapter-loop"   fused, each row's own adapter: the GEMM tiles loop over the adapters present in them
+#:                      (any bank; its decode or tile mode by batch size as above)
+#:     "flow"           vLLM's unfused flow, the delta kernel's mode by batch size (what ``fused=False`` runs)
 #:     "flow-grouped"   vLLM's unfused flow, the delta kernel over tiles grouped by (adapter, expert)
 #:     "flow-per-slot"  vLLM's unfused flow, the delta kernel one program per slot (no grouping; Triton only)
 #: Left to itself (None) the module takes the fused path where its backend has one, the flow elsewhere, and the
-#: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel). Each path is the fastest
-#: somewhere on an H200 (BENCHMARKS.md, "LoRA paths"): decode for a fusable bank up to 1024 slots, tiles above;
-#: for a bank too wide to fuse, per slot at small batches, grouped at large ones. The measured crossovers stand at
-#: the constants that choose: ``MAX_FUSED_LORA_COLUMNS`` and ``FUSED_DECODE_MAX_SLOTS`` of
-#: ``moelab.backends.triton_backend``, ``moelab.lora.PER_SLOT_MAX_BYTES``.
-LORA_PATHS = ("tiles", "decode", "flow-grouped", "flow-per-slot")
-FUSED_MODES = LORA_PATHS[:2]
+#: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel). On the triton backend a bank
+#: of at most ``MAX_FUSED_LORA_COLUMNS`` stacked columns takes the stacked modes (decode up to 1024 slots, tiles
+#: above: BENCHMARKS.md, "LoRA paths"), a wider one the adapter loop at small batches and the flow above
+#: (BENCHMARKS.md, "Wide LoRA banks"). The crossovers stand at the constants that choose: ``MAX_FUSED_LORA_COLUMNS``,
+#: ``FUSED_DECODE_MAX_SLOTS`` and ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` of ``moelab.backends.triton_backend``,
+#: ``moelab.lora.PER_SLOT_MAX_BYTES``.
+LORA_PATHS = ("tiles", "decode", "adapter-loop", "flow", "flow-grouped", "flow-per-slot")
+FUSED_MODES = LORA_PATHS[:3]
 
 
 class LoRAExperts(nn.Module):
@@ -75,12 +79,14 @@ class LoRAExperts(nn.Module):
         num_experts: global E; top_k: K; local_expert_offset: this rank's first expert (expert parallel).
         lora: a :class:`moelab.LoRABank` over the same local experts, or None (base MoE only).
         backend: "auto", "flashinfer", "triton" or "torch".
-        fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can
-            (the triton backend, for a bank of at most ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``
-            stacked columns: L and max_rank padded to powers of two, multiplied); True: raise where it cannot;
-            False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one path (tests, benchmarks): "tiles"
-            / "decode", a mode of the fused path, or "flow-grouped" / "flow-per-slot", the unfused flow with that
-            mode of the delta kernel; a path this backend or bank cannot run raises.
+        fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can (the
+            triton backend: stacked columns up to ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``, L and
+            max_rank padded to powers of two and multiplied; a wider bank through the adapter loop at small batches,
+            ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` there, and vLLM's flow above); True: fold at every batch size,
+            raise where the backend cannot; False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one
+            path (tests, benchmarks): "tiles" / "decode" / "adapter-loop", a mode of the fused path, or "flow" /
+            "flow-grouped" / "flow-per-slot", the unfused flow with that mode of the delta kernel; a path this
+            backend or bank cannot run raises.
 
     Call: ``(hidden_states [T,H], topk_weights [T,K], topk_ids int [T,K] global, lora_ids int [T] or None)
     -> [T, H]`` in the input dtype. Under expert parallelism the result is this rank's partial sum.
@@ -123,13 +129,18 @@ class LoRAExperts(nn.Module):
         self.lora = lora
         self.fused = self._check_fused(fused)
         self._path = fused if isinstance(fused, str) else None
+        if fused is True and get_backend(self.backend).fused_lora_reason(self.lora, "tiles") is not None:
+            self._path = "adapter-loop"  # the one fused path a bank this wide takes, at every batch size
 
     def _check_fused(self, fused: bool | str | None) -> bool:
         if fused is not None and not isinstance(fused, bool) and fused not in LORA_PATHS:
             raise TypeError(f"fused: expected True, False, None or one of {LORA_PATHS}, got {fused!r}")
         if self.lora is None or fused is False or (isinstance(fused, str) and fused not in FUSED_MODES):
             return False
-        reason = get_backend(self.backend).fused_lora_reason(self.lora)
+        backend = get_backend(self.backend)
+        reason = backend.fused_lora_reason(self.lora)
+        if reason is None and fused in ("tiles", "decode"):  # the stacked modes take narrow banks only
+            reason = backend.fused_lora_reason(self.lora, fused)
         if fused and reason is not None:
             raise ValueError(f"fused: backend {self.backend!r} cannot fold this bank into its kernels: {reason}; "
                              f"pass fused=False")

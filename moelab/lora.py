@@ -97,6 +97,8 @@ class LoRABank:
         for name, shape in _BANK_TENSORS.items():
             setattr(self, name, torch.zeros((L, *shape(E, H, I, r)), dtype=dtype, device=device))
         self.ranks: list[int] = [0] * L
+        self._rank_table = torch.zeros(L, dtype=torch.int32, device=device)  # ``ranks`` on the device
+        self._rank_table_of = tuple(self.ranks)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,6 +114,26 @@ class LoRABank:
         padded to powers of two, with L_PAD * R_PAD >= 16 (``tl.dot``'s minimum)."""
         l_pad = next_pow2(self.max_loras)
         return l_pad, max(next_pow2(self.max_rank), 16 // min(l_pad, 16))
+
+    def rank_table(self) -> torch.Tensor:
+        """int32 [L] on the bank's device: :attr:`ranks`, for kernels that read only a slot's own ranks (the
+        fused adapter loop). :meth:`set` and :meth:`reset` update it in place (a captured CUDA graph sees the new
+        rank); a ``ranks`` list assigned directly is copied over here, on the host, at the next call.
+
+        Example:
+            >>> bank = LoRABank(2, num_local_experts=1, hidden_size=4, intermediate_size=4, max_rank=2)
+            >>> bank.ranks = [2, 0]; bank.rank_table().tolist()
+            [2, 0]
+        """
+        if tuple(self.ranks) != self._rank_table_of:
+            self._rank_table.copy_(torch.tensor(self.ranks, dtype=torch.int32))
+            self._rank_table_of = tuple(self.ranks)
+        return self._rank_table
+
+    def _set_rank(self, slot: int, rank: int) -> None:
+        self.ranks[slot] = rank
+        self._rank_table[slot] = rank  # in place, no host sync
+        self._rank_table_of = tuple(self.ranks)
 
     def __repr__(self) -> str:
         return (f"LoRABank(max_loras={self.max_loras}, num_local_experts={self.num_local_experts}, "
@@ -192,7 +214,7 @@ class LoRABank:
                 dst[:, :, :rank].copy_(t)
             else:
                 dst[:, :rank, :].copy_(t)
-        self.ranks[slot] = rank
+        self._set_rank(slot, rank)
 
     def reset(self, slot: int) -> None:
         """Zero ``slot``: it holds no adapter any more (rank 0), and ids naming it are refused when validated.
@@ -205,7 +227,7 @@ class LoRABank:
         self._check_slot(slot)
         for name in _BANK_TENSORS:
             getattr(self, name)[slot].zero_()
-        self.ranks[slot] = 0
+        self._set_rank(slot, 0)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the bank to a safetensors file, sizes and ranks in its metadata (read it with :meth:`load`).

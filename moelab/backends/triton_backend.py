@@ -64,28 +64,37 @@ class FusedLoRA:
     bank: LoRABank
     lora_ids: torch.Tensor
     mode: str | None = None  # "tiles" or "decode" forces that mode; None: decode up to FUSED_DECODE_MAX_SLOTS slots
+    adapter_loop: bool = False  # each row's own adapter (fused_lora.py, "the adapter loop"), else stacked columns
 
 
-#: Widest stacked bank (L_PAD * R_PAD, :attr:`LoRABank.stacked_pads`) the fused path of ``LoRAExperts`` takes; wider
-#: banks run vLLM's unfused flow. A prefill tile of GEMM1 holds its expand operands in shared memory, 2 * columns *
-#: (BLOCK_M + BLOCK_N) elements: 64 KB at 64 columns, 128x128 bf16 tiles (the pipeline keeps 3 of its 4 stages).
-#: Every row's expand runs over all stacked columns, so wide banks cost more than the flow anyway. Within it the
+#: Widest stacked bank (L_PAD * R_PAD, :attr:`LoRABank.stacked_pads`) the stacked modes ("tiles", "decode") take;
+#: wider banks take the adapter loop (``moelab/kernels/fused_lora.py``, "the adapter loop", which explains the
+#: choice; before it they ran vLLM's unfused flow). A prefill tile of GEMM1 holds its expand operands in shared
+#: memory, 2 * columns * (BLOCK_M + BLOCK_N) elements: 64 KB at 64 columns, 128x128 bf16 tiles (the pipeline keeps 3
+#: of its 4 stages), and every row's expand runs over all stacked columns. Within it the
 #: fused path beats the flow at every batch size: one H200, 2026-12-01, main ~64c5e1b, bf16 Qwen3-30B-A3B
 #: (E128 K8 H2048 I768), one rank-16 adapter on every token, µs in a CUDA graph, fused (best mode) vs the flow's
 #: best mode: T=1 43 vs 75, T=32 276 vs 312, T=128 330 vs 400, T=1024 444 vs 548; eager T=4096 900 vs 1958 (base
 #: MoE without LoRA: 40, 268, 309, 404; eager 820). ``python -m moelab.bench --quick --impls moelab --peers none
 #: --no-ceilings --lora --lora-variants "1x all,8x mixed" --lora-paths auto,tiles,decode,flow-grouped,flow-per-slot``
-#: (BENCHMARKS.md, "LoRA paths"). Banks wider than this were not timed fused (8 adapters up to rank 64 stack 512).
+#: (BENCHMARKS.md, "LoRA paths"). Wider banks (8 adapters up to rank 64 stack 512) take the adapter loop or the
+#: flow: ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` below.
 MAX_FUSED_LORA_COLUMNS = 64
 
 
-def fused_lora_reason(bank: LoRABank) -> str | None:
-    """None when :func:`lora_experts` can fold ``bank`` into the GEMMs (at most ``MAX_FUSED_LORA_COLUMNS``)."""
-    columns = math.prod(bank.stacked_pads)
-    if columns <= MAX_FUSED_LORA_COLUMNS:
+def stacked_fits(bank: LoRABank) -> bool:
+    """Whether the stacked modes take ``bank`` (at most ``MAX_FUSED_LORA_COLUMNS`` stacked columns)."""
+    return math.prod(bank.stacked_pads) <= MAX_FUSED_LORA_COLUMNS
+
+
+def fused_lora_reason(bank: LoRABank, path: str | None = None) -> str | None:
+    """None when :func:`lora_experts` can fold ``bank`` into the GEMMs: always (the adapter loop takes any bank),
+    but the stacked modes ``path`` "tiles" and "decode" only up to ``MAX_FUSED_LORA_COLUMNS`` stacked columns."""
+    if path not in ("tiles", "decode") or stacked_fits(bank):
         return None
-    return (f"the fused path takes banks of at most {MAX_FUSED_LORA_COLUMNS} stacked columns (max_loras and "
-            f"max_rank padded to powers of two, multiplied), got {columns} stacked columns")
+    return (f"the {path!r} path takes banks of at most {MAX_FUSED_LORA_COLUMNS} stacked columns (max_loras and "
+            f"max_rank padded to powers of two, multiplied), got {math.prod(bank.stacked_pads)} stacked columns; "
+            f"the 'adapter-loop' path takes any bank")
 
 
 #: The fused LoRA's decode path (routing metadata and W13 shrink in one launch, the W2 shrink in GEMM1's epilogue,
@@ -94,6 +103,19 @@ def fused_lora_reason(bank: LoRABank) -> str | None:
 #: CUDA graph, decode vs tiles): T=1 43 vs 51, T=32 276 vs 287, T=128 (1024 slots, the limit) 330 vs 332; beyond,
 #: the tiles mode runs (T=1024: 444).
 FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
+
+#: Left to itself, ``LoRAExperts`` runs a bank too wide for the stacked modes through the adapter loop while the
+#: batch has at most this many routed rows per local expert (T*K / E_local), and vLLM's unfused flow above
+#: (``fused=True`` or ``"adapter-loop"``: the adapter loop at every size). Measured on one H200, 2026-12-01, commit
+#: d629e95 (BENCHMARKS.md, "Wide LoRA banks"), bf16 Qwen3-30B-A3B (E128 K8 H2048 I768), µs in a CUDA graph
+#: (T=16384: eager), adapter loop vs the flow, base MoE 39.6 / 269 / 405 / 2786:
+#:     8 adapters, ranks 64-8:   T=1 44.9 vs 81.7,  T=32 376 vs 359,  T=1024 1076 vs 977,   T=16384 4192 vs 4230
+#:     32 adapters, ranks 64-8:  T=1 44.9 vs 81.9,  T=32 391 vs 362,  T=1024 2443 vs 1704,  T=16384 5836 vs 4878
+#: The loop wins at T=1 (0.06 rows per expert: one row a tile, its adapter's operands read before the K loop) and
+#: loses from T=32 (2 rows per expert) on, where tiles hold several adapters and each one past the first costs the
+#: epilogue a wait on its loads (and at T >= 1024 the shrinks' per-adapter K loops); at 16384 the 8-adapter bank
+#: ties (1 %). 0.5 (T <= 8 here) sits between the two measured points and was not itself measured.
+ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
@@ -119,10 +141,12 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     expert = expert or {}
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
-    lora_columns = math.prod(lora.bank.stacked_pads) if lora is not None else 0
+    lora_columns = 0
+    if lora is not None:  # the operands the GEMM tiles hold across the K loop (the adapter loop: one adapter's)
+        lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
-                                               config)
+                                               config, lora is not None and lora.adapter_loop)
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
@@ -137,19 +161,29 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     decode = lora is not None and (lora.mode == "decode" or (
         lora.mode is None and cfg.block_m < 64 and T * K <= FUSED_DECODE_MAX_SLOTS))
     if decode:  # segments + W13 shrink in one launch
-        lora_args = fused_lora.decode_segments_w13_shrink(
-            routing, x, lora.bank, lora.lora_ids, expert_weights, num_local_experts=E_local, tile=cfg.block_m,
-            local_expert_offset=local_expert_offset, pdl=pdl)
-    seg = lora_args.segments if lora_args is not None else build_segments_triton(
-        routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed, pdl=pdl)
+        launch = fused_lora.adapter_loop_decode_launch if lora.adapter_loop else fused_lora.decode_segments_w13_shrink
+        lora_args = launch(routing, x, lora.bank, lora.lora_ids, expert_weights, num_local_experts=E_local,
+                           tile=cfg.block_m, local_expert_offset=local_expert_offset, pdl=pdl)
+    if lora_args is not None:
+        seg = lora_args.segments
+    elif lora is not None and lora.adapter_loop and fused_lora.sorts_by_adapter(
+            T * K, E_local, lora.bank.max_loras,
+            fused_lora.adapter_sub_m(T * K, E_local, cfg.block_m, lora.bank.max_loras)):
+        seg = fused_lora.adapter_sorted_segments(routing, lora.lora_ids, E_local, cfg.block_m, local_expert_offset,
+                                                 pdl)  # each expert's rows sorted by adapter: few adapters a tile
+    else:
+        seg = build_segments_triton(routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed, pdl=pdl)
     if lora is not None and lora_args is None:  # prefill: a W13 shrink launch before GEMM1, a W2 shrink after
-        lora_args = fused_lora.shrink_w13_tiles(x, lora.bank, lora.lora_ids, expert_weights, seg, top_k=K,
-                                                num_local_experts=E_local, pdl=pdl)
+        shrink = fused_lora.adapter_loop_shrink_w13 if lora.adapter_loop else fused_lora.shrink_w13_tiles
+        lora_args = shrink(x, lora.bank, lora.lora_ids, expert_weights, seg, top_k=K, num_local_experts=E_local,
+                           pdl=pdl)
     input_weights = (routing if packed else expert_weights) if weight_on_input else None
     gemm1_swiglu(x, w13, act, seg, top_k=K, config=cfg, delta=delta, lora=lora_args, dead_fill=dead_fill, pdl=pdl,
                  bias=w13_bias, input_weights=input_weights, **expert)
     if isinstance(lora_args, fused_lora.TileLoRA):
         fused_lora.shrink_w2_tiles(act, lora_args)
+    elif isinstance(lora_args, fused_lora.AdapterLoopLoRA) and not lora_args.decode:
+        fused_lora.adapter_loop_shrink_w2(act, lora_args)
     gemm2(act, w2, gemm2_out, seg, config=cfg, lora=lora_args, dead_fill=dead_fill, pdl=pdl, bias=w2_bias)
     if do_finalize:
         if output is None:
@@ -166,11 +200,12 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
 
 @functools.lru_cache(maxsize=4096)
 def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
-            device: torch.device, config: GemmConfig | None) -> tuple[GemmConfig, int, int, int]:
+            device: torch.device, config: GemmConfig | None,
+            lora_own: bool = False) -> tuple[GemmConfig, int, int, int]:
     """The pipeline's host arithmetic, computed once per shape (decode calls are host-bound): the tile config
     (``config``, else :func:`choose_config`'s), the rows of the act and gemm2 buffers (FlashInfer's sizes) and the
     rows live data can reach."""
-    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device)
+    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device, lora_own=lora_own)
     return (cfg, permuted_rows(T, K, num_experts, cfg.block_m, I), permuted_rows(T, K, num_experts, cfg.block_m, H),
             max_live_rows(T * K, E_local, cfg.block_m))
 
@@ -240,10 +275,16 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     base path's."""
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, routed_moe)
+    if call.lora is not None and call.path is None and not stacked_fits(call.lora) and (
+            call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts):
+        return lora_flow.lora_experts(call, routed_moe)  # a wide bank past the adapter loop's crossover
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
-    lora = None if call.lora is None else FusedLoRA(call.lora, call.lora_ids.contiguous(), call.path)
+    lora = None
+    if call.lora is not None:  # the stacked modes for a narrow bank, the adapter loop for a wide one (or forced)
+        adapter_loop = call.path == "adapter-loop" or (call.path is None and not stacked_fits(call.lora))
+        lora = FusedLoRA(call.lora, call.lora_ids.contiguous(), call.path if not adapter_loop else None, adapter_loop)
     if lora is not None and lora.mode == "decode" and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
         raise ValueError(f"fused: the decode mode takes at most {FUSED_DECODE_MAX_SLOTS} slots (T*K), got "
                          f"{call.topk_ids.numel()}; pass fused=True or 'tiles'")

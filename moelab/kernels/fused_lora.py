@@ -45,13 +45,15 @@ import triton.language as tl
 
 from moelab import _runtime
 from moelab.kernels._common import dot_flags, jit, shrink_step, to_output, wait_for_previous_kernel
-from moelab.kernels.segments import one_chunk_segments, plan_one_chunk
-from moelab.permutation import Segments, next_pow2
+from moelab.kernels.segments import build_segments_triton, one_chunk_segments, plan_one_chunk
+from moelab.permutation import Segments, cdiv, next_pow2
 
 if TYPE_CHECKING:
     from moelab.lora import LoRABank
 
-__all__ = ["TileLoRA", "DecodeLoRA", "shrink_w13_tiles", "shrink_w2_tiles", "decode_segments_w13_shrink"]
+__all__ = ["TileLoRA", "DecodeLoRA", "AdapterLoopLoRA", "shrink_w13_tiles", "shrink_w2_tiles",
+           "decode_segments_w13_shrink", "adapter_loop_decode_launch", "adapter_loop_shrink_w13",
+           "adapter_loop_shrink_w2", "adapter_sorted_segments"]
 
 
 # ---------------------------------------------------------------------------------------------- device functions
@@ -153,7 +155,7 @@ def _decode_segments_w13_shrink_kernel(
     x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x,
     TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
     L_PAD: tl.constexpr, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, ranks_ptr=None, OWN: tl.constexpr = False,
 ):
     """Decode (one chunk of slots): program 0 builds the segments (:func:`one_chunk_segments`, ids unpacked), every
     other program shrinks one slot for COLS of its adapter's 2*R_PAD [up | gate] rank columns, in the same launch.
@@ -162,6 +164,9 @@ def _decode_segments_w13_shrink_kernel(
     slot's adapter (GEMM1 reads nothing else); the slot's first program zeroes that block of s2 [slots,
     L_PAD*R_PAD] (fp32) for GEMM1's atomics. Slots without an adapter or a local expert write nothing. BLOCK_K >= H
     reads x and the A rows in one step (a loop of dependent loads costs ~1 µs a step at decode).
+
+    OWN (the adapter loop): s13 is [slots, 2, R_PAD] and s2 [slots, R_PAD], the slot's own adapter only (L_PAD
+    unused), and ranks past the adapter's own rank (``ranks_ptr``) are zeros, not read.
     """
     wait_for_previous_kernel(USE_GDC)
     pid = tl.program_id(0)
@@ -179,7 +184,10 @@ def _decode_segments_w13_shrink_kernel(
             is_gate, rank = c // R_PAD, c % R_PAD
             a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
             a_base = tl.where(is_gate == 1, gate_a_ptr + a_rows, up_a_ptr + a_rows)
-            ok = rank < max_rank
+            if OWN:
+                ok = rank < tl.minimum(tl.load(ranks_ptr + adapter), max_rank)
+            else:
+                ok = rank < max_rank
             acc = tl.zeros((COLS,), dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
@@ -187,12 +195,16 @@ def _decode_segments_w13_shrink_kernel(
                 xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
                 a = tl.load(a_base[:, None] + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
                 acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
-            out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD + rank
+            if OWN:  # the slot's own rank vector, every one of its R_PAD columns written
+                out = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + is_gate * R_PAD + rank
+                s2_row = s2_ptr + slot.to(tl.int64) * R_PAD
+            else:
+                out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD \
+                    + rank
+                s2_row = s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD
             tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
             if part == 0:
-                r = tl.arange(0, R_PAD)
-                tl.store(s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD + r,
-                         tl.zeros((R_PAD,), dtype=tl.float32))
+                tl.store(s2_row + tl.arange(0, R_PAD), tl.zeros((R_PAD,), dtype=tl.float32))
 
 
 @jit
@@ -224,6 +236,236 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if DOT_F32:
         s, b = s.to(tl.float32), b.to(tl.float32)
     return tl.dot(s, b, acc, input_precision=DOT_PRECISION)
+
+
+# ---------------------------------------------------------------------------------------------- the adapter loop
+#
+# Banks wider than the stacked layout takes (8 or 32 adapters of ranks 8..64: 512 or 2048 stacked columns) need a
+# layout whose cost does not grow with L: each routed row needs only ITS adapter's A and B. Bytes and FLOPs at
+# Qwen3-30B-A3B (E128 K8 H2048 I768; an (adapter, expert) pair holds r * 3(H+I) * 2 B = r * 16.9 KB of A and B,
+# 1.08 MB at r=64, against 9.4 MB of base weights an expert), for 8 / 32 mixed adapters (mean rank 30):
+#   T=1      8 slots, one row a tile: 8 pairs, 8.6 MB at r=64 (0.7 % of the base's 75 MB). Latency-bound: what
+#            costs is dependent loads and launches, so the row's adapter's operands are read before the K loop.
+#   T=32     256 slots, ~2.3 rows per touched expert: ~250 pairs; reading each at the padded rank 64 is 250 MB
+#            (24 % of the base's 1.04 GB, the whole 1.25x budget), at its own rank ~120 MB (12 %): every read
+#            stops at the adapter's own rank (``LoRABank.rank_table``).
+#   T=1024   8192 slots, 64 rows per expert (one 64-row tile): all 1024 / ~3500 pairs, 0.52 / 1.8 GB at their own
+#            ranks against the base's 1.21 GB. Bandwidth-bound on the bank itself: the 32-adapter bank cannot reach
+#            1.25x of the base here whatever the layout (its bytes alone are 1.5x the base's).
+#   T=16384  131072 slots, 1024 rows per expert: compute-bound. The exact LoRA FLOPs are r(1/I + 1/H) = 5 % of the
+#            base's at r=30; what a layout wastes on top is what counts.
+# (a) stacked columns (the mode above): every row dots all L*R_PAD columns: +25 % / +100 % of GEMM1's FLOPs at
+#     16384 for 8 / 32 adapters, and the operands outgrow shared memory past 64 columns. Out.
+# (c) tiles per (expert, adapter) segment: exact FLOPs, but each segment re-streams the expert's weights and pads
+#     to a tile: at T=32 ~2 rows per expert split into ~2 segments doubles the weight bytes (the 1.04 GB), at
+#     16384 with 32 adapters 32-row segments in 128-row tiles quadruple the GEMM FLOPs. Out.
+# (b)+(a) what runs here: the shrinks write each row's OWN rank vector ([rows, R_PAD], its adapter's A only), the
+#     GEMM tiles stay one per expert (weights streamed once, as the base path) and expand by looping over the
+#     adapters present in the tile: a scalar test per adapter between the tile's lowest and highest, only present
+#     adapters' B read, up to their own rank, in RANK_CHUNK steps; the tile's lowest adapter's operands are read
+#     before the K loop (at decode that is the only one). The expand dot of one adapter runs over the whole tile
+#     (rows of other adapters masked to zero), so its FLOPs grow with the adapters per tile: at T >= 1024 the
+#     rows inside each expert's segment are sorted by adapter first (a stable sort of the tokens by adapter
+#     before the segments are built: ~5 launches), so a 128-row tile at 16384 holds ~2 (8 adapters) or ~5 (32)
+#     adapters, not 8 or 32: +3-8 % of the GEMM FLOPs. The tile shrinks run on sub-tiles of those sorted rows
+#     (16-64 rows: about the rows of one (adapter, expert) pair), where one adapter's dot wastes little.
+# Measured (H200, commit d629e95, BENCHMARKS.md "Wide LoRA banks"; x the base MoE, CUDA graph, 16384 eager), for
+# 8 / 32 mixed adapters: T=1 1.13 / 1.13 (the flow: 2.06 / 2.07), T=32 1.40 / 1.46 (flow 1.34 / 1.35), T=1024
+# 2.66 / 6.0 (flow 2.41 / 4.21), T=16384 1.51 / 2.10 (flow 1.52 / 1.75). The bytes above hold at T=1 only: from
+# T=32 on tiles hold several adapters and every one past the first makes the epilogue wait on its loads (a GEMM1
+# or GEMM2 CTA of the decode tiles runs alone on its SM, so nothing hides the wait), and at T >= 1024 the tile
+# shrinks run one K loop per adapter of each sub-tile. So the module's own choice takes the loop for a wide bank at
+# small batches only (``moelab.backends.triton_backend.ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``). Next: read the operands
+# of the tile's first two adapters before the K loop (T=32: ~2 adapters a tile), and profile the T >= 1024 shrinks.
+
+
+@jit
+def tile_adapters(lora_ids_ptr, tokens, row_ok, num_loras, ranks_ptr, max_rank):
+    """The adapter loop's view of a tile: each row's adapter (:func:`_row_adapters`) and its rank (0 without one),
+    the lowest and the highest adapter present (``num_loras`` and -1 when none) and the lowest one's rank. The
+    ranks are read once here, before the K loop: the epilogue's loop over adapters then waits on no rank load."""
+    adapters = _row_adapters(lora_ids_ptr, tokens, row_ok, num_loras)
+    row_ranks = tl.load(ranks_ptr + tl.where(adapters >= 0, adapters, 0), mask=adapters >= 0, other=0)
+    row_ranks = tl.minimum(row_ranks, max_rank)
+    lo = tl.min(tl.where(adapters >= 0, adapters, num_loras), axis=0)
+    hi = tl.max(adapters, axis=0)
+    return adapters, row_ranks, lo, hi, tl.max(tl.where(adapters == lo, row_ranks, 0), axis=0)
+
+
+@jit
+def own_s(s_ptr, s_rows, row_width, mine, rank, R: tl.constexpr):
+    """Rank vectors [BLOCK_M, R] of the rows ``mine`` (others zero, not read), columns past ``rank`` zero; row p
+    at ``s_ptr + s_rows[p] * row_width``."""
+    r = tl.arange(0, R)
+    ptrs = s_ptr + s_rows[:, None] * row_width + r[None, :]
+    return tl.load(ptrs, mask=mine[:, None] & (r < rank)[None, :], other=0.0)
+
+
+@jit
+def own_b(b_ptr, adapter, rank, expert, cols, col_ok, D_out, num_local_experts, max_rank, R: tl.constexpr):
+    """One adapter's B^T [R, BLOCK_N] at output columns ``cols`` of a bank B [L, E_local, D_out, max_rank]; ranks
+    past ``rank`` zero (not read). Offset ``b_ptr`` by c for ranks c.. ."""
+    r = tl.arange(0, R)
+    base = (adapter * num_local_experts + expert).to(tl.int64) * D_out * max_rank
+    mask = (r < rank)[:, None] & col_ok[None, :]
+    return tl.load(b_ptr + base + cols[None, :].to(tl.int64) * max_rank + r[:, None], mask=mask, other=0.0)
+
+
+@jit
+def own_a_t(a_ptr, adapter, rank, expert, cols, col_ok, D_in, num_local_experts, max_rank, R: tl.constexpr):
+    """One adapter's A^T [BLOCK_N, R] at input columns ``cols`` of a bank A [L, E_local, max_rank, D_in]; ranks
+    past ``rank`` zero (not read). Offset ``a_ptr`` by c * D_in for ranks c.. ."""
+    r = tl.arange(0, R)
+    base = (adapter * num_local_experts + expert).to(tl.int64) * max_rank * D_in
+    mask = col_ok[:, None] & (r < rank)[None, :]
+    return tl.load(a_ptr + base + r[None, :].to(tl.int64) * D_in + cols[:, None], mask=mask, other=0.0)
+
+
+@jit
+def lora_dot(s, b, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """s @ b in fp32."""
+    if DOT_F32:
+        s, b = s.to(tl.float32), b.to(tl.float32)
+    return tl.dot(s, b, input_precision=DOT_PRECISION)
+
+
+@jit
+def expand_other_adapters(acc, adapters, row_ranks, lo, hi, s_ptr, s_rows, row_width, b_ptr, expert, cols, col_ok,
+                          D_out, num_local_experts, max_rank, ratio, S_DTYPE: tl.constexpr, SCALED: tl.constexpr,
+                          RANK_CHUNK: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + the expand of every adapter above the tile's lowest (``lo``, expanded from operands read before the
+    K loop) up to ``hi``: a scalar test per adapter (its rank among the rows, 0: absent), then its rows' rank
+    vectors times its B^T, RANK_CHUNK ranks a step up to its own rank. SCALED: the rank vectors are fp32 sums,
+    times ``ratio`` per row, rounded to S_DTYPE (the decode W2 term)."""
+    for a in range(lo + 1, hi + 1):
+        mine = adapters == a
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
+            for c in range(0, rank, RANK_CHUNK):
+                s = own_s(s_ptr + c, s_rows, row_width, mine, rank - c, RANK_CHUNK)
+                if SCALED:
+                    s = to_output(s * ratio[:, None], S_DTYPE)
+                b = own_b(b_ptr + c, a, rank - c, expert, cols, col_ok, D_out, num_local_experts, max_rank, RANK_CHUNK)
+                acc = lora_expand(s, b, acc, DOT_F32, DOT_PRECISION)
+    return acc
+
+
+@jit
+def expand_other_adapters_w13(acc_up, acc_gate, adapters, row_ranks, lo, hi, s13_ptr, s_rows, up_b_ptr, gate_b_ptr,
+                              expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD: tl.constexpr,
+                              RANK_CHUNK: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """:func:`expand_other_adapters` for GEMM1's up and gate together (one pass, one wait a step): s13 rows
+    [up | gate] of 2 * R_PAD."""
+    for a in range(lo + 1, hi + 1):
+        mine = adapters == a
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
+            for c in range(0, rank, RANK_CHUNK):
+                s_up = own_s(s13_ptr + c, s_rows, 2 * R_PAD, mine, rank - c, RANK_CHUNK)
+                s_gate = own_s(s13_ptr + R_PAD + c, s_rows, 2 * R_PAD, mine, rank - c, RANK_CHUNK)
+                b_up = own_b(up_b_ptr + c, a, rank - c, expert, cols, col_ok, I, num_local_experts, max_rank,
+                             RANK_CHUNK)
+                b_gate = own_b(gate_b_ptr + c, a, rank - c, expert, cols, col_ok, I, num_local_experts, max_rank,
+                               RANK_CHUNK)
+                acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
+                acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
+    return acc_up, acc_gate
+
+
+@jit
+def w2_shrink_share(act, a2_lo, adapters, row_ranks, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, expert, cols,
+                    col_ok, I, num_local_experts, max_rank, R_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr,
+                    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Decode, GEMM1's epilogue: this column block's share of every row's W2 shrink, ``A_down[:, cols] act[p,
+    cols]`` of its own adapter, added to ``s2`` [slots, R_PAD] (fp32 atomics): the lowest adapter's from
+    ``a2_lo`` (read before the K loop), the others' RANK_CHUNK ranks a step."""
+    r = tl.arange(0, R_PAD)
+    part = lora_dot(act, a2_lo, DOT_F32, DOT_PRECISION)
+    tl.atomic_add(s2_ptr + s_rows[:, None] * R_PAD + r[None, :], part,
+                  mask=(adapters == lo)[:, None] & (r < rank_lo)[None, :], sem="relaxed")
+    rc = tl.arange(0, RANK_CHUNK)
+    for a in range(lo + 1, hi + 1):
+        mine = adapters == a
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
+            for c in range(0, rank, RANK_CHUNK):
+                a2 = own_a_t(down_a_ptr + c * I, a, rank - c, expert, cols, col_ok, I, num_local_experts, max_rank,
+                             RANK_CHUNK)
+                chunk = lora_dot(act, a2, DOT_F32, DOT_PRECISION)
+                tl.atomic_add(s2_ptr + s_rows[:, None] * R_PAD + c + rc[None, :], chunk,
+                              mask=mine[:, None] & (c + rc < rank)[None, :], sem="relaxed")
+
+
+@jit
+def _own_shrink_kernel(
+    in_ptr, a0_ptr, a1_ptr, out_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr, weights_ptr, ranks_ptr,
+    D, top_k, num_local_experts, num_loras, max_rank, stride_in,
+    GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    R_PAD: tl.constexpr, SUB_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """The adapter loop's tile shrink, one program per SUB_M rows of the GEMMs' permuted rows (a sub-tile of their
+    TILE): each row's own rank vector ``A_j @ in[row]`` of its adapter, [rows, NUM_SLICES, R_PAD] in the input
+    dtype (fp32 accumulation), all R_PAD columns written (zeros past the adapter's rank) for rows with an adapter,
+    nothing for the others (the GEMMs never read them). A K loop per adapter present in the sub-tile, each reading
+    only its rows. GATHER, WEIGHTED: as :func:`_lora_shrink_kernel`."""
+    wait_for_previous_kernel(USE_GDC)
+    pid = tl.program_id(0)
+    expert = tl.load(block_group_ptr + pid // (TILE // SUB_M))
+    if expert < 0:
+        return
+    rows = pid * SUB_M + tl.arange(0, SUB_M)
+    slots = tl.load(row_to_slot_ptr + rows)
+    row_ok = slots >= 0
+    slots = tl.where(row_ok, slots, 0).to(tl.int64)
+    adapters, row_ranks, lo, hi, _ = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr,
+                                                   max_rank)
+    in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    r = tl.arange(0, R_PAD)
+    out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * R_PAD) + r[None, :]
+    if WEIGHTED:
+        ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+    for a in range(lo, hi + 1):
+        mine = adapters == a
+        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+        if rank > 0:
+            a_offs = ((a * num_local_experts + expert).to(tl.int64) * max_rank + r[None, :]) * D + ks[:, None]
+            a_ok = r < rank
+            acc0 = tl.zeros((SUB_M, R_PAD), dtype=tl.float32)
+            acc1 = tl.zeros((SUB_M, R_PAD), dtype=tl.float32)
+            in_ptrs = in_ptr + in_rows[:, None] * stride_in + ks[None, :]
+            for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+                k_ok = ks + k0 * BLOCK_K < D
+                xt = tl.load(in_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
+                acc0, acc1 = shrink_step(xt, a0_ptr, a1_ptr, a_offs, k_ok[:, None] & a_ok[None, :], acc0, acc1,
+                                         NUM_SLICES, DOT_F32, DOT_PRECISION)
+                in_ptrs += BLOCK_K
+                a_offs += BLOCK_K
+            if WEIGHTED:
+                acc0 = acc0 * ratio[:, None]
+            every = mine[:, None] & (r >= 0)[None, :]
+            tl.store(out, to_output(acc0, out_ptr.dtype.element_ty), mask=every)
+            if NUM_SLICES == 2:
+                tl.store(out + R_PAD, to_output(acc1, out_ptr.dtype.element_ty), mask=every)
+
+
+@jit
+def _sorted_rows_kernel(order_ptr, slot_to_row_in_ptr, row_to_slot_in_ptr, slot_to_row_ptr, row_to_slot_ptr,
+                        num_slots, num_rows, top_k, BLOCK: tl.constexpr):
+    """Segments built over the slots in ``order`` (tokens sorted by adapter) back to the slots' own ids: slot
+    ``q = order[i // K] * K + i % K`` is the i-th of that order, so ``slot_to_row[q] = slot_to_row_in[i]`` and
+    ``row_to_slot[row] = q`` where ``row_to_slot_in[row] = i`` (-1 stays -1)."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i_ok = idx < num_slots
+    q = tl.load(order_ptr + idx // top_k, mask=i_ok, other=0).to(tl.int32) * top_k + idx % top_k
+    tl.store(slot_to_row_ptr + q, tl.load(slot_to_row_in_ptr + idx, mask=i_ok), mask=i_ok)
+    r_ok = idx < num_rows
+    i = tl.load(row_to_slot_in_ptr + idx, mask=r_ok, other=-1)
+    q = tl.load(order_ptr + tl.where(i >= 0, i, 0) // top_k, mask=r_ok & (i >= 0), other=0).to(tl.int32) * top_k \
+        + tl.where(i >= 0, i, 0) % top_k
+    tl.store(row_to_slot_ptr + idx, tl.where(i >= 0, q, -1), mask=r_ok)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -374,3 +616,138 @@ def decode_segments_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
         max_rank=bank.max_rank, stride_x=x.stride(0), **plan.meta, L_PAD=l_pad, R_PAD=r_pad, COLS=cols,
         BLOCK_K=block_k, num_warps=plan.num_warps, **pdl)
     return lora
+
+
+# ---------------------------------------------------------------------------------------------- adapter loop: launchers
+
+#: Ranks the adapter loop's epilogue expands a step, for the adapters past a tile's first: each step waits on its
+#: loads (~1 µs), so 32 (two steps for rank 64, one for the rest) rather than tl.dot's minimum of 16.
+RANK_CHUNK = 32
+
+
+def own_rank_pad(bank: LoRABank) -> int:
+    """R_PAD of the adapter loop's rank vectors: ``max_rank`` padded to a power of two, at least 16."""
+    return max(next_pow2(bank.max_rank), 16)
+
+
+@dataclass(frozen=True)
+class AdapterLoopLoRA:
+    """The GEMMs' LoRA operands of the adapter loop (wide banks, see "the adapter loop" above): each row's own rank
+    vectors, by slot at decode (``s13`` written by :func:`adapter_loop_decode_launch`, ``s2`` summed by GEMM1's
+    epilogue, fp32) or by permuted row in tiles (:func:`adapter_loop_shrink_w13`, :func:`adapter_loop_shrink_w2`;
+    ``s2`` weighted, in the input dtype), and the bank's rank table."""
+
+    bank: LoRABank
+    lora_ids: torch.Tensor  # int [T], -1 = none
+    expert_weights: torch.Tensor  # float [T, K], the caller's
+    segments: Segments
+    top_k: int
+    num_local_experts: int
+    decode: bool
+    ranks: torch.Tensor  # int32 [L], bank.rank_table()
+    s13: torch.Tensor  # [T*K or R, 2, R_PAD] input dtype, [up | gate]
+    s2: torch.Tensor  # [T*K, R_PAD] fp32 unweighted (decode) or [R, R_PAD] input dtype weighted (tiles)
+    sub_m: int = 16  # rows of a tile-shrink program
+    shrink_meta: dict | None = None
+
+    def _common(self) -> dict:
+        return dict(**_bank_sizes(self.bank, self.num_local_experts), lora_ids_ptr=self.lora_ids,
+                    ranks_ptr=self.ranks, LORA=True, L_PAD=1, R_PAD=own_rank_pad(self.bank),
+                    LORA_DECODE=self.decode, LORA_OWN=True, RANK_CHUNK=RANK_CHUNK)
+
+    def gemm1_args(self, unused: torch.Tensor) -> dict:
+        bank = self.bank
+        return dict(s13_ptr=self.s13, tile_flags_ptr=unused, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b,
+                    down_a_ptr=bank.down_a, s2_ptr=self.s2, **self._common())
+
+    def gemm2_args(self, unused: torch.Tensor) -> dict:
+        return dict(s2_ptr=self.s2, tile_flags_ptr=unused, down_b_ptr=self.bank.down_b,
+                    row_to_slot_ptr=self.segments.row_to_slot, weights_ptr=self.expert_weights, top_k=self.top_k,
+                    **self._common())
+
+
+def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor,
+                               expert_weights: torch.Tensor, *, num_local_experts: int, tile: int,
+                               local_expert_offset: int, pdl: dict) -> AdapterLoopLoRA | None:
+    """:func:`decode_segments_w13_shrink` for the adapter loop: one launch, the segments and each slot's own W13
+    rank vectors [T*K, 2, R_PAD]. None when one program cannot build the segments."""
+    plan = plan_one_chunk(topk_ids, num_local_experts, tile, local_expert_offset, packed=False)
+    if plan is None:
+        return None
+    T, K = topk_ids.shape
+    H = x.shape[1]
+    r_pad = own_rank_pad(bank)
+    lora = AdapterLoopLoRA(bank, lora_ids, expert_weights, plan.segments, K, num_local_experts, True,
+                           bank.rank_table(), s13=_scratch((T * K, 2, r_pad), x.dtype, x.device),
+                           s2=_scratch((T * K, r_pad), torch.float32, x.device))
+    block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+    _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
+        **plan.args, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=lora.s13, s2_ptr=lora.s2,
+        lora_ids_ptr=lora_ids, H=H, top_k=K, num_loras=bank.max_loras, max_rank=bank.max_rank,
+        stride_x=x.stride(0), **plan.meta, L_PAD=1, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
+        num_warps=plan.num_warps, **pdl, ranks_ptr=lora.ranks, OWN=True)
+    return lora
+
+
+def sorts_by_adapter(num_slots: int, num_local_experts: int, num_loras: int, sub_m: int) -> bool:
+    """Whether the adapter loop sorts each expert's rows by adapter: for a bank of several slots, when an expert's
+    rows span more than one tile-shrink sub-tile (T >= ~512 at Qwen3 shapes), so that a sub-tile and a GEMM tile
+    hold few adapters."""
+    return num_loras > 1 and num_slots > sub_m * num_local_experts
+
+
+def adapter_sub_m(num_slots: int, num_local_experts: int, tile: int, num_loras: int) -> int:
+    """Rows of a tile-shrink program: about the rows of one (adapter, expert) pair, in [16, min(tile, 64)]."""
+    per_pair = -(-num_slots // (num_local_experts * num_loras))
+    return min(max(next_pow2(per_pair), 16), tile, 64)
+
+
+def adapter_sorted_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, num_local_experts: int, tile: int,
+                            local_expert_offset: int, pdl: dict) -> Segments:
+    """Segments by local expert (as ``build_segments_triton``) whose rows inside each expert follow the tokens
+    sorted by adapter (stable: token order inside an adapter; tokens without one first). ``topk_ids`` int [T, K],
+    ``lora_ids`` int [T]. A stable sort, a gather, the segments, one launch that maps the rows back to slots."""
+    K = topk_ids.shape[1]
+    order = torch.sort(lora_ids, stable=True).indices  # int64 [T]
+    seg = build_segments_triton(topk_ids[order], num_local_experts, tile, offset=local_expert_offset, pdl=pdl)
+    slot_to_row, row_to_slot = torch.empty_like(seg.slot_to_row), torch.empty_like(seg.row_to_slot)
+    n, rows = slot_to_row.numel(), row_to_slot.numel()
+    block = 1024
+    _sorted_rows_kernel[(max(cdiv(n, block), cdiv(rows, block)),)](
+        order, seg.slot_to_row, seg.row_to_slot, slot_to_row, row_to_slot, n, rows, K, BLOCK=block, num_warps=4)
+    return Segments(slot_to_row, row_to_slot, seg.block_group, seg.tile, seg.num_groups)
+
+
+def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor, expert_weights: torch.Tensor,
+                            segments: Segments, *, top_k: int, num_local_experts: int, pdl: dict) -> AdapterLoopLoRA:
+    """Allocate the adapter loop's tile operands and launch its W13 shrink, one program per ``sub_m`` rows of the
+    rows ``segments`` reaches. ``x`` [T, H]."""
+    r_pad, tile = own_rank_pad(bank), segments.tile
+    reach = segments.row_to_slot.numel()
+    sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
+    lora = AdapterLoopLoRA(
+        bank, lora_ids, expert_weights, segments, top_k, num_local_experts, False, bank.rank_table(),
+        s13=_scratch((reach, 2, r_pad), x.dtype, x.device), s2=_scratch((reach, r_pad), x.dtype, x.device),
+        sub_m=sub_m, shrink_meta=dict(**dot_flags(x.dtype), R_PAD=r_pad, SUB_M=sub_m, TILE=tile,
+                                      BLOCK_K=_shrink_block_k(sub_m, r_pad, x.element_size()),
+                                      num_warps=8 if sub_m * r_pad > 64 * 64 else 4, **pdl))
+    if segments.block_group.numel():
+        _own_shrink_kernel[(segments.block_group.numel() * (tile // sub_m),)](
+            in_ptr=x, a0_ptr=bank.up_a, a1_ptr=bank.gate_a, out_ptr=lora.s13, **_own_shrink_rows(lora),
+            D=x.shape[1], stride_in=x.stride(0), GATHER=True, NUM_SLICES=2, WEIGHTED=False, **lora.shrink_meta)
+    return lora
+
+
+def adapter_loop_shrink_w2(act: torch.Tensor, lora: AdapterLoopLoRA) -> None:
+    """Launch the adapter loop's W2 shrink over GEMM1's output ``act`` [R1, I] (permuted rows), weighted."""
+    tiles = lora.segments.block_group.numel()
+    if tiles:
+        _own_shrink_kernel[(tiles * (lora.segments.tile // lora.sub_m),)](
+            in_ptr=act, a0_ptr=lora.bank.down_a, a1_ptr=lora.bank.down_a, out_ptr=lora.s2, **_own_shrink_rows(lora),
+            D=act.shape[1], stride_in=act.stride(0), GATHER=False, NUM_SLICES=1, WEIGHTED=True, **lora.shrink_meta)
+
+
+def _own_shrink_rows(lora: AdapterLoopLoRA) -> dict:
+    return dict(row_to_slot_ptr=lora.segments.row_to_slot, block_group_ptr=lora.segments.block_group,
+                lora_ids_ptr=lora.lora_ids, weights_ptr=lora.expert_weights, ranks_ptr=lora.ranks, top_k=lora.top_k,
+                **_bank_sizes(lora.bank, lora.num_local_experts))

@@ -35,14 +35,22 @@ import triton.language as tl
 from moelab import _runtime
 from moelab.kernels._common import dot_flags, jit, to_output, wait_for_previous_kernel
 from moelab.kernels.fused_lora import (
+    AdapterLoopLoRA,
     DecodeLoRA,
     TileLoRA,
     caller_weight_ratio,
+    expand_other_adapters,
+    expand_other_adapters_w13,
     lora_expand,
+    own_a_t,
     own_adapter_blocks,
+    own_b,
+    own_s,
     stacked_a,
     stacked_b,
     stacked_s,
+    tile_adapters,
+    w2_shrink_share,
 )
 from moelab.permutation import Segments, cdiv
 
@@ -100,15 +108,22 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return _limits[index]
 
 
-def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0) -> int:
+def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0, lora_own: bool = False) -> int:
     """Bytes of the pipeline's stages (an x tile and two weight tiles each), plus the fused LoRA's expand operands
-    on wgmma tiles (BLOCK_M >= 64: [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T)."""
+    on wgmma tiles (BLOCK_M >= 64: [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T). ``lora_own``
+    (the adapter loop, ``lora_columns`` = R_PAD) with fp32 operands: two rank-vector tiles, two B^T and A_down^T
+    [BLOCK_N, columns], on tiles of any size (on the H200 the fp32 16x128x128 decode tile asked for exactly this,
+    245760 B at R_PAD 64 with one stage, where bf16 ones ran as the stacked count says)."""
     per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
-    expand = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize if lora_columns and cfg.block_m >= 64 else 0
+    if lora_own and itemsize > 2:
+        expand = lora_columns * (2 * cfg.block_m + 3 * cfg.block_n) * itemsize
+    else:
+        expand = 2 * lora_columns * (cfg.block_m + cfg.block_n) * itemsize if lora_columns and cfg.block_m >= 64 else 0
     return cfg.num_stages * per_stage + expand
 
 
-def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shared_memory: int) -> GemmConfig:
+def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shared_memory: int,
+                         lora_own: bool = False) -> GemmConfig:
     """``cfg`` with as many of its pipeline stages as fit the device's shared memory less the epilogue's reserve
     (at least one stage, if that fits the device at all); where not even one stage fits, BLOCK_K, then BLOCK_N
     (down to 32), then BLOCK_M (down to 16) halve until it does."""
@@ -116,7 +131,8 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
     while True:
         for stages in range(cfg.num_stages, 0, -1):
             fitted = replace(cfg, num_stages=stages)
-            if shared_memory_bytes(fitted, itemsize, lora_columns) <= (budget if stages > 1 else shared_memory):
+            if shared_memory_bytes(fitted, itemsize, lora_columns, lora_own) <= (budget if stages > 1 else
+                                                                                  shared_memory):
                 return fitted
         if cfg.block_k > 32:
             cfg = replace(cfg, block_k=cfg.block_k // 2)
@@ -130,7 +146,7 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
 
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
                   dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0,
-                  device: torch.device | DeviceLimits | None = None) -> GemmConfig:
+                  device: torch.device | DeviceLimits | None = None, lora_own: bool = False) -> GemmConfig:
     """Tile sizes by rows per local expert, from the tuned table of the device's compute capability. Decode is
     weight-bandwidth bound (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for
     tensor-core reuse). The pipeline's depth then shrinks to the device's shared memory (fp32 operands take twice
@@ -139,7 +155,8 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     ``lora_columns``: the fused LoRA's stacked width. On Hopper, tiles of BLOCK_M >= 64 (wgmma) keep GEMM1's
     expand operands beside the pipeline's stages in shared memory (measured: 196608 B + 16384 B for 16 columns at
     128x128x64, 4 stages), so the pipeline gives up stages for them; the BLOCK_M = 16 decode tiles showed no such
-    growth. ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`."""
+    growth. ``lora_own``: ``lora_columns`` is the adapter loop's R_PAD (see :func:`shared_memory_bytes`).
+    ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`."""
     if not isinstance(device, DeviceLimits):
         if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
             return GemmConfig(16, 32, 32, 4, 1)
@@ -148,7 +165,7 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
-    return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory)
+    return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory, lora_own)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -246,6 +263,10 @@ def _gemm1_swiglu_kernel(
     # words (IN_WEIGHT_PACKED), None: inputs as they are
     bias_ptr=None, in_weight_ptr=None, ACTIVATION: tl.constexpr = "silu", GATED: tl.constexpr = True,
     SWIGLU_ALPHA: tl.constexpr = None, SWIGLU_LIMIT: tl.constexpr = None, IN_WEIGHT_PACKED: tl.constexpr = False,
+    # LORA_OWN (the adapter loop, fused_lora.py): s13 [T*K or R, 2, R_PAD] of each row's own adapter, the bank's rank
+    # table ranks_ptr int32 [L]; the tile's lowest adapter expanded from operands read before the K loop, the others
+    # after it, RANK_CHUNK ranks a step
+    ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
         act_ptr, stride_act_r, block_group_ptr, num_live_blocks, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -270,22 +291,37 @@ def _gemm1_swiglu_kernel(
         else:
             in_weight = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0.0).to(tl.float32)
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
-        if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
-            _, has_lora, own = own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
-            j = tl.arange(0, L_PAD * R_PAD)
-            s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
-            s_up = tl.load(s_ptrs, mask=own, other=0.0)
-            s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
-            a_cols, a_ok, _ = stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
-            a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
-            a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
-        else:
-            has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-            s_up = stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-            s_gate = stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-        bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
-        b_up = stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
-        b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
+        if LORA_OWN:  # by slot at decode, by row in tiles; the lowest adapter's rows, its B (and A_down at decode)
+            if LORA_DECODE:
+                s_rows = tl.where(row_ok, slots, 0).to(tl.int64)
+            else:
+                s_rows = rows.to(tl.int64)
+            adapters, row_ranks, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, tokens, row_ok, num_loras, ranks_ptr,
+                                                                 max_rank)
+            has_lora = hi >= 0
+            s_up = own_s(s13_ptr, s_rows, 2 * R_PAD, adapters == lo, rank_lo, R_PAD)
+            s_gate = own_s(s13_ptr + R_PAD, s_rows, 2 * R_PAD, adapters == lo, rank_lo, R_PAD)
+            b_up = own_b(up_b_ptr, lo, rank_lo, expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD)
+            b_gate = own_b(gate_b_ptr, lo, rank_lo, expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD)
+            if LORA_DECODE:
+                a2 = own_a_t(down_a_ptr, lo, rank_lo, expert, cols, col_ok, I, num_local_experts, max_rank, R_PAD)
+        else:  # stacked columns
+            if LORA_DECODE:  # rank vectors by slot, in the block of each row's own adapter
+                _, has_lora, own = own_adapter_blocks(lora_ids_ptr, tokens, row_ok, num_loras, L_PAD, R_PAD)
+                j = tl.arange(0, L_PAD * R_PAD)
+                s_ptrs = s13_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (2 * L_PAD * R_PAD) + j[None, :]
+                s_up = tl.load(s_ptrs, mask=own, other=0.0)
+                s_gate = tl.load(s_ptrs + L_PAD * R_PAD, mask=own, other=0.0)
+                a_cols, a_ok, _ = stacked_a(expert, num_local_experts, num_loras, max_rank, I, L_PAD, R_PAD)
+                a2_mask = tl.where(has_lora, col_ok[:, None] & a_ok[None, :], False)
+                a2 = tl.load(down_a_ptr + a_cols[None, :] + cols[:, None], mask=a2_mask, other=0.0)  # [BLOCK_N, cols]
+            else:
+                has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+                s_up = stacked_s(s13_ptr, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+                s_gate = stacked_s(s13_ptr + L_PAD * R_PAD, rows, 2 * L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
+            b_up = stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
+            b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
@@ -331,14 +367,23 @@ def _gemm1_swiglu_kernel(
         if has_lora:  # W13 LoRA, [up | gate] rank vectors, expanded before the activation
             acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
             acc_gate = lora_expand(s_gate, b_gate, acc_gate, DOT_F32, DOT_PRECISION)
+            if LORA_OWN:  # the tile's other adapters
+                acc_up, acc_gate = expand_other_adapters_w13(
+                    acc_up, acc_gate, adapters, row_ranks, lo, hi, s13_ptr, s_rows, up_b_ptr, gate_b_ptr, expert,
+                    cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:
         if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
-            part = lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32, DOT_PRECISION)
-            s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
-            tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
+            if LORA_OWN:
+                w2_shrink_share(act, a2, adapters, row_ranks, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, expert,
+                                cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
+            else:
+                part = lora_expand(act, a2, tl.zeros((BLOCK_M, L_PAD * R_PAD), dtype=tl.float32), DOT_F32,
+                                   DOT_PRECISION)
+                s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
+                tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
 
 
 @jit
@@ -355,6 +400,9 @@ def _gemm2_kernel(
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
     bias_ptr=None,  # GEMM2's bias [E_local, H] (None: none), added to live rows (row_to_slot_ptr: the real slots)
+    # LORA_OWN (the adapter loop): s2 of each row's own adapter, [T*K, R_PAD] fp32 unweighted (decode) or [R, R_PAD]
+    # weighted (tiles); the rank table; the lowest adapter's operands read now, the others after the K loop
+    ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
         out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -365,20 +413,37 @@ def _gemm2_kernel(
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
-        if LORA_DECODE:  # GEMM1's W2 shrink of each row's own adapter block, by slot, weighted after the K loop
+        if LORA_OWN:
             slots = tl.load(row_to_slot_ptr + rows)
             row_ok = slots >= 0
             slots = tl.where(row_ok, slots, 0).to(tl.int64)
-            adapters, has_lora, own = own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
-                                                          R_PAD)
-            j = tl.arange(0, L_PAD * R_PAD)
-            s2_sum = tl.load(s2_ptr + slots[:, None] * (L_PAD * R_PAD) + j[None, :], mask=own, other=0.0)
-            ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
-        else:
-            has_lora = tl.load(tile_flags_ptr + pid_m) != 0
-            s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
-        b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
-                            L_PAD, R_PAD)
+            adapters, row_ranks, lo, hi, rank_lo = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras,
+                                                                 ranks_ptr, max_rank)
+            has_lora = hi >= 0
+            if LORA_DECODE:  # GEMM1's sums by slot, weighted and rounded after the K loop
+                s_rows = slots
+                ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+                s2_sum = own_s(s2_ptr, s_rows, R_PAD, adapters == lo, rank_lo, R_PAD)
+            else:
+                s_rows = rows.to(tl.int64)
+                ratio = None
+                s_down = own_s(s2_ptr, s_rows, R_PAD, adapters == lo, rank_lo, R_PAD)
+            b_down = own_b(down_b_ptr, lo, rank_lo, expert, cols, col_ok, H, num_local_experts, max_rank, R_PAD)
+        else:  # stacked columns
+            if LORA_DECODE:  # GEMM1's W2 shrink of each row's own adapter block, by slot, weighted after the K loop
+                slots = tl.load(row_to_slot_ptr + rows)
+                row_ok = slots >= 0
+                slots = tl.where(row_ok, slots, 0).to(tl.int64)
+                adapters, has_lora, own = own_adapter_blocks(lora_ids_ptr, slots // top_k, row_ok, num_loras, L_PAD,
+                                                              R_PAD)
+                j = tl.arange(0, L_PAD * R_PAD)
+                s2_sum = tl.load(s2_ptr + slots[:, None] * (L_PAD * R_PAD) + j[None, :], mask=own, other=0.0)
+                ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
+            else:
+                has_lora = tl.load(tile_flags_ptr + pid_m) != 0
+                s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
+            b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
+                                L_PAD, R_PAD)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
@@ -402,6 +467,10 @@ def _gemm2_kernel(
             s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
         if has_lora:  # W2 LoRA: expand the (weighted) rank vectors
             acc = lora_expand(s_down, b_down, acc, DOT_F32, DOT_PRECISION)
+            if LORA_OWN:  # the tile's other adapters
+                acc = expand_other_adapters(acc, adapters, row_ranks, lo, hi, s2_ptr, s_rows, R_PAD, down_b_ptr, expert,
+                                            cols, col_ok, H, num_local_experts, max_rank, ratio,
+                                            act_ptr.dtype.element_ty, LORA_DECODE, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -414,7 +483,8 @@ _NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
 
 
 def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
-                 config: GemmConfig, delta: torch.Tensor | None = None, lora: TileLoRA | DecodeLoRA | None = None,
+                 config: GemmConfig, delta: torch.Tensor | None = None,
+                 lora: TileLoRA | DecodeLoRA | AdapterLoopLoRA | None = None,
                  dead_fill: float = 0.0, pdl: dict | None = None, activation: str = "silu", gated: bool = True,
                  swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
                  bias: torch.Tensor | None = None, input_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -453,7 +523,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
 
 
 def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, config: GemmConfig,
-          lora: TileLoRA | DecodeLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None,
+          lora: TileLoRA | DecodeLoRA | AdapterLoopLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None,
           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's

@@ -1,0 +1,260 @@
+"""The fused adapter loop (``LoRAExperts(fused="adapter-loop")``, what a wide bank takes on the triton backend)
+against ``moelab.reference.lora_experts`` in float64: mixed ranks in a wider bank, several adapters in every tile,
+tokens without an adapter bit for bit the base path's, every float buffer NaN-poisoned, in its decode mode, its
+tile mode and its tile mode over rows sorted by adapter.
+"""
+
+import pytest
+import torch
+from helpers import assert_close_to_reference
+from test_experts import make_bank, make_problem
+
+import moelab
+from moelab import reference
+from moelab.backends import triton_backend
+from moelab.kernels import fused_lora
+
+#: "decode": the one-launch decode mode; "tiles": the tile shrinks (decode turned off); "sorted": tiles over rows
+#: sorted by adapter inside each expert (few experts, many rows each).
+MODES = {"decode": dict(E=8), "tiles": dict(E=8), "sorted": dict(E=2)}
+
+
+def _poison_empty(monkeypatch):
+    """Every float buffer ``torch.empty`` hands out starts as NaN: an element no kernel wrote cannot pass."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _spy(monkeypatch, names):
+    calls = []
+    for name in names:
+        original = getattr(fused_lora, name)
+        monkeypatch.setattr(fused_lora, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
+    return calls
+
+
+def _run(mode, monkeypatch, device, *, T=40, K=2, H=32, I=24, dtype=torch.bfloat16, ranks=(64, 8, 32, 16, 3),
+         max_rank=64, seed=0, lora_ids=None):
+    if mode != "decode":
+        monkeypatch.setattr(triton_backend, "FUSED_DECODE_MAX_SLOTS", 0)
+    E = MODES[mode]["E"]
+    L = len(ranks)
+    if lora_ids is None:  # every adapter and -1 in every tile
+        lora_ids = (torch.arange(T) * 7 + seed) % (L + 1) - 1
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=L, ranks=ranks, seed=seed,
+                                                          lora_ids=lora_ids)
+    bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="adapter-loop")
+    return experts, (x, w, ids, lora_ids), reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype, seed", [(torch.bfloat16, 0), (torch.float32, 1)])
+def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch, device):
+    """Ranks 64, 8, 32, 16, 3 in a max_rank-64 bank (R_PAD 64: the rank-8 and rank-3 slots are mostly padding),
+    all five adapters and tokens without one in every tile; all float buffers poisoned; -1 tokens equal the base
+    path's rows bit for bit."""
+    launches = _spy(monkeypatch, ["adapter_loop_decode_launch", "adapter_loop_shrink_w13", "adapter_loop_shrink_w2",
+                                  "adapter_sorted_segments"])
+    experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, device, dtype=dtype, seed=seed)
+    assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
+    _poison_empty(monkeypatch)
+    moelab.set_debug(True)
+    try:
+        out = experts(x, w, ids, lora_ids)
+        base = experts(x, w, ids, None)
+    finally:
+        moelab.set_debug(False)
+    tiles = ["adapter_loop_shrink_w13", "adapter_loop_shrink_w2"]
+    assert launches == {"decode": ["adapter_loop_decode_launch"], "tiles": tiles,
+                        "sorted": ["adapter_sorted_segments"] + tiles}[mode]
+    assert bool(torch.isfinite(out).all())
+    assert_close_to_reference(out, ref["output"], dtype, f"{mode} output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, f"{mode} LoRA part")
+    none = lora_ids < 0
+    assert none.any() and torch.equal(out[none], base[none])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device):
+    """A rank-8 adapter in a max_rank-64 bank: its rows' rank vectors are written in all 64 columns, zeros past 8
+    (the scratch starts as NaN), so nothing past an adapter's rank can reach a product."""
+    kept = []
+    for name in ("adapter_loop_decode_launch", "adapter_loop_shrink_w13"):
+        original = getattr(fused_lora, name)
+        monkeypatch.setattr(fused_lora, name, lambda *a, _f=original, **k: kept.append(_f(*a, **k)) or kept[-1])
+    experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, device, dtype=torch.float32, ranks=(8, 64), seed=2)
+    moelab.set_debug(True)  # the scratch buffers are NaN-poisoned
+    try:
+        out = experts(x, w, ids, lora_ids)
+    finally:
+        moelab.set_debug(False)
+    assert_close_to_reference(out, ref["output"], torch.float32, f"{mode} output")
+    (lora,) = kept
+    if lora.decode:  # by slot
+        slot_adapter = torch.repeat_interleave(lora_ids, ids.shape[1])
+        rows = torch.arange(slot_adapter.numel(), device=device)
+    else:  # by permuted row
+        live = lora.segments.row_to_slot >= 0
+        rows = torch.nonzero(live).flatten()
+        slot_adapter = lora_ids[lora.segments.row_to_slot[rows].long() // ids.shape[1]]
+        rows = rows[slot_adapter >= 0]
+        slot_adapter = slot_adapter[slot_adapter >= 0]
+    rank8 = rows[slot_adapter == 0]
+    assert rank8.numel() > 0
+    assert torch.equal(lora.s13[rank8][:, :, 8:], torch.zeros_like(lora.s13[rank8][:, :, 8:]))
+    assert not lora.s13[rank8][:, :, :8].eq(0).all()
+    if not lora.decode:  # the W2 shrink's rank vectors too (at decode GEMM1 sums them by slot)
+        assert torch.equal(lora.s2[rank8][:, 8:], torch.zeros_like(lora.s2[rank8][:, 8:]))
+
+
+def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch, device):
+    """The kernels read each slot's rank from ``LoRABank.rank_table()``: ``set`` and ``reset`` update it in place
+    (the same tensor, as a captured CUDA graph reads it), a ``ranks`` list assigned directly is copied at the next
+    call; a slot reloaded with a higher rank is then right (a stale table would cut its ranks)."""
+    experts, (x, w, ids, lora_ids), _ = _run("decode", monkeypatch, device, dtype=torch.float32, ranks=(4, 8),
+                                             max_rank=16)
+    bank = experts.lora
+    table = bank.rank_table()
+    assert table.tolist() == [4, 8]
+    experts(x, w, ids, lora_ids)
+    E, H, I, r = bank.num_local_experts, bank.hidden_size, bank.intermediate_size, 16
+    g = torch.Generator().manual_seed(5)
+    bank.set(0, gate_a=torch.randn(E, r, H, generator=g) / H**0.5, gate_b=torch.randn(E, I, r, generator=g),
+             up_a=torch.randn(E, r, H, generator=g) / H**0.5, up_b=torch.randn(E, I, r, generator=g),
+             down_a=torch.randn(E, r, I, generator=g) / I**0.5, down_b=torch.randn(E, H, r, generator=g))
+    assert bank.rank_table() is table and table.tolist() == [16, 8]
+    w13, w2 = experts.weights.gemm1_weights, experts.weights.gemm2_weights
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(experts(x, w, ids, lora_ids), ref["output"], torch.float32, "after set")
+    bank.reset(1)
+    assert table.tolist() == [16, 0]
+    bank.ranks = [16, 8]  # as code that copies a bank's tensors does
+    assert bank.rank_table().tolist() == [16, 8]
+
+
+def test_adapter_sorted_segments_are_the_expert_segments_sorted_by_adapter(device):
+    """Same tile-aligned expert segments as the base path's (same sizes, same tiles), each expert's rows holding its
+    slots ordered by (adapter, token); slot_to_row and row_to_slot inverse to each other."""
+    from moelab.kernels.segments import build_segments_triton
+    from moelab.permutation import Segments
+
+    T, K, E, tile, offset = 37, 3, 4, 16, 2
+    g = torch.Generator().manual_seed(3)
+    ids = torch.rand(T, E + offset, generator=g).topk(K, dim=1).indices.to(torch.int32)  # some slots not local
+    lora_ids = torch.randint(-1, 5, (T,), generator=g)
+    seg = fused_lora.adapter_sorted_segments(ids.to(device), lora_ids.to(device), E, tile, offset, {})
+    base = build_segments_triton(ids.to(device), E, tile, offset=offset)
+    seg, base = (Segments(v.slot_to_row.cpu(), v.row_to_slot.cpu(), v.block_group.cpu(), v.tile, v.num_groups)
+                 for v in (seg, base))
+    assert torch.equal(seg.block_group, base.block_group)
+    assert torch.equal(seg.slot_to_row < 0, base.slot_to_row < 0)
+    live = torch.nonzero(seg.slot_to_row >= 0).flatten()
+    assert torch.equal(seg.row_to_slot[seg.slot_to_row[live].long()], live.to(torch.int32))
+    assert int((seg.row_to_slot >= 0).sum()) == live.numel()
+    for e in range(E):
+        rows = torch.nonzero(base.block_group.repeat_interleave(tile) == e).flatten()
+        slots = seg.row_to_slot[rows]
+        slots = slots[slots >= 0].long()
+        assert sorted(slots.tolist()) == sorted(base.row_to_slot[rows][base.row_to_slot[rows] >= 0].tolist())
+        key = [(int(lora_ids[s // K]), int(s)) for s in slots]
+        assert key == sorted(key)
+        assert (ids.flatten()[slots] - offset == e).all()
+
+
+def test_adapter_loop_under_expert_parallelism(monkeypatch, device):
+    """A window of 3 of 8 experts (slots outside it write nothing), tile mode: this rank's partial sum."""
+    monkeypatch.setattr(triton_backend, "FUSED_DECODE_MAX_SLOTS", 0)
+    T, K, E, H, I, offset, n, dtype = 12, 3, 8, 32, 16, 4, 3, torch.float32
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=3, ranks=(20, 4, 9), seed=6)
+    bank = make_bank(adapters, n, offset, H, I, 20, dtype, device)
+    experts = moelab.LoRAExperts(w13[offset:offset + n], w2[offset:offset + n], num_experts=E, top_k=K, lora=bank,
+                                 local_expert_offset=offset, backend="triton", fused="adapter-loop")
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13[offset:offset + n], w2[offset:offset + n], bank,
+                                 local_expert_offset=offset)
+    assert_close_to_reference(experts(x, w, ids, lora_ids), ref["output"], dtype, "window")
+
+
+def test_wide_banks_take_the_adapter_loop_at_small_batches_and_narrow_ones_keep_stacked_columns(monkeypatch, device):
+    """The module's own choice: a bank past MAX_FUSED_LORA_COLUMNS stacked columns (4 adapters of max_rank 64: 256)
+    runs the adapter loop up to ADAPTER_LOOP_MAX_ROWS_PER_EXPERT rows per expert (T=1, K=2, 4 experts: 0.5) and
+    vLLM's flow above (T=3), fused=True the adapter loop at both; a narrow bank keeps the stacked decode mode;
+    forcing a stacked mode on a wide bank raises, naming the argument."""
+    from moelab.backends import lora_flow
+
+    calls = _spy(monkeypatch, ["adapter_loop_decode_launch", "decode_segments_w13_shrink"])
+    flow = lora_flow.lora_experts
+    monkeypatch.setattr(lora_flow, "lora_experts", lambda *a, **k: calls.append("flow") or flow(*a, **k))
+    assert triton_backend.ADAPTER_LOOP_MAX_ROWS_PER_EXPERT == 0.5
+    for T, max_rank, fused, want in [(1, 64, None, "adapter_loop_decode_launch"), (3, 64, None, "flow"),
+                                     (3, 64, True, "adapter_loop_decode_launch"),
+                                     (3, 8, None, "decode_segments_w13_shrink")]:
+        x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, 2, 4, 32, 16, torch.float32, device, L=4,
+                                                              ranks=(8, 4, 2, 8), lora_ids=torch.arange(T) % 4)
+        bank = make_bank(adapters, 4, 0, 32, 16, max_rank, torch.float32, device)
+        experts = moelab.LoRAExperts(w13, w2, num_experts=4, top_k=2, lora=bank, backend="triton", fused=fused)
+        assert experts.fused
+        calls.clear()
+        out = experts(x, w, ids, lora_ids)
+        assert calls == [want], (T, max_rank, fused)
+        assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
+                                  torch.float32, f"T={T} max_rank {max_rank} fused={fused}")
+    wide = make_bank(adapters, 4, 0, 32, 16, 64, torch.float32, device)
+    for path in ("tiles", "decode"):
+        with pytest.raises(ValueError, match=f"fused:.*'{path}' path takes banks of at most 64 stacked columns"):
+            moelab.LoRAExperts(w13, w2, num_experts=4, top_k=2, lora=wide, backend="triton", fused=path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU sizes and CUDA graphs (runs on the H200)")
+def test_adapter_loop_at_gpu_sizes_sorted_rows_and_cuda_graph():
+    """T = 2048, 8 experts (512 rows each: tiles of 128 rows over rows sorted by adapter), 8 adapters of ranks
+    64..8 in a max_rank-64 bank, a quarter of the tokens without one: checked against float64 on 64 tokens, -1
+    tokens bit for bit the base path's; then captured in a CUDA graph, replayed on new inputs, and replayed again
+    after ``bank.set`` reloads a slot with a higher rank (the rank table is updated in place)."""
+    T, K, E, H, I, dtype, device = 2048, 2, 8, 256, 128, torch.bfloat16, "cuda"
+    ranks = (64, 32, 16, 8) * 2
+    g = torch.Generator().manual_seed(4)
+    lora_ids = torch.randint(-1, 8, (T,), generator=g)
+    lora_ids[::4] = -1
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=8, ranks=ranks, seed=4,
+                                                          lora_ids=lora_ids)
+    bank = make_bank(adapters, E, 0, H, I, 64, dtype, device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="adapter-loop")
+    out, base = experts(x, w, ids, lora_ids), experts(x, w, ids, None)
+    none = lora_ids < 0
+    assert torch.equal(out[none], base[none])
+    rows = torch.arange(0, T, T // 64, device=device)
+    ref = reference.lora_experts(x[rows], w[rows], ids[rows], lora_ids[rows], w13, w2, bank)
+    assert_close_to_reference(out[rows], ref["output"], dtype, "eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts(x, w, ids, lora_ids, has_lora=True, validate=False)
+    x2, ids2, w2_, _, _, _, _ = make_problem(T, K, E, H, I, dtype, device, L=8, ranks=ranks, seed=9, lora_ids=lora_ids)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
+    for step in ("replay", "after set"):
+        if step == "after set":  # slot 3 (rank 8) reloaded at rank 48
+            a = make_problem(1, K, E, H, I, dtype, "cpu", L=1, ranks=(48,), seed=12)[-1][0]
+            bank.set(3, scaling=0.5, **{k: v.to(dtype).to(device) for k, v in a.items()})
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.lora_experts(x[rows], w[rows], ids[rows], lora_ids[rows], w13, w2, bank)
+        assert_close_to_reference(captured[rows], ref["output"], dtype, step)
+
+
+def test_adapter_loop_fp32_decode_tile_fits_the_h200_shared_memory():
+    """fp32 decode tiles hold the adapter loop's operands in shared memory: the H200 refused the 16x128x128 tile
+    at one stage (245760 B asked, 232448 there, R_PAD 64); counted, the tile choice halves BLOCK_K to fit."""
+    from moelab.kernels.moe_gemm import DeviceLimits, GemmConfig, choose_config, shared_memory_bytes
+
+    h200 = DeviceLimits((9, 0), 232448)
+    assert shared_memory_bytes(GemmConfig(16, 128, 128, 4, 1), 4, 64, lora_own=True) == 245760
+    cfg = choose_config(3, 2, 8, torch.float32, 64, device=h200, lora_own=True)
+    assert cfg.block_m == 16 and shared_memory_bytes(cfg, 4, 64, lora_own=True) <= h200.shared_memory
+    bf16 = choose_config(32, 8, 128, torch.bfloat16, 64, device=h200, lora_own=True)  # as measured: unchanged
+    assert bf16 == choose_config(32, 8, 128, torch.bfloat16, 64, device=h200)
