@@ -42,3 +42,15 @@ def random_experts(E: int, H: int, I: int, dtype, *, device="cpu", scale: float 
     w13 = (torch.randn(E, 2 * I, H) * scale / H**0.5).to(dtype).to(device)
     w2 = (torch.randn(E, H, I) * scale / I**0.5).to(dtype).to(device)
     return w13, w2
+
+
+def lora_and_base_outputs(experts, x, topk_weights, topk_ids, lora_ids):
+    """``experts`` called with ``lora_ids`` and without LoRA, in moelab's debug mode (every launch checked):
+    returns (out, base), both [T, H]."""
+    import moelab
+
+    moelab.set_debug(True)
+    try:
+        return experts(x, topk_weights, topk_ids, lora_ids), experts(x, topk_weights, topk_ids, None)
+    finally:
+        moelab.set_debug(False)

@@ -7,7 +7,15 @@ GEMMs (its default) and as vLLM's unfused flow (``fused=False``).
 
 import pytest
 import torch
-from helpers import REL_TOL, assert_close_to_reference, random_experts, random_topk_ids, random_weights, rel_err
+from helpers import (
+    REL_TOL,
+    assert_close_to_reference,
+    lora_and_base_outputs,
+    random_experts,
+    random_topk_ids,
+    random_weights,
+    rel_err,
+)
 
 import moelab
 from moelab import reference
@@ -180,12 +188,7 @@ def test_fused_lora_many_adapters_per_tile(max_rank, ranks, device):
     bank = make_bank(adapters, E, 0, H, I, max_rank, dtype, device)
     experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K, lora=bank)
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
-    moelab.set_debug(True)
-    try:
-        out = experts(x, w, ids, lora_ids)
-        base = experts(x, w, ids, None)
-    finally:
-        moelab.set_debug(False)
+    out, base = lora_and_base_outputs(experts, x, w, ids, lora_ids)
     assert_close_to_reference(out, ref["output"], dtype, "fused output")
     assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "fused LoRA part")
     assert torch.equal(out[lora_ids < 0], base[lora_ids < 0])

@@ -6,7 +6,7 @@ tile mode and its tile mode over rows sorted by adapter.
 
 import pytest
 import torch
-from helpers import assert_close_to_reference
+from helpers import assert_close_to_reference, lora_and_base_outputs
 from test_experts import make_bank, make_problem
 
 import moelab
@@ -64,12 +64,7 @@ def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch, device):
     experts, (x, w, ids, lora_ids), ref = _run(mode, monkeypatch, device, dtype=dtype, seed=seed)
     assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
     _poison_empty(monkeypatch)
-    moelab.set_debug(True)
-    try:
-        out = experts(x, w, ids, lora_ids)
-        base = experts(x, w, ids, None)
-    finally:
-        moelab.set_debug(False)
+    out, base = lora_and_base_outputs(experts, x, w, ids, lora_ids)
     tiles = ["adapter_loop_shrink_w13", "adapter_loop_shrink_w2"]
     assert launches == {"decode": ["adapter_loop_decode_launch"], "tiles": tiles,
                         "sorted": ["adapter_sorted_segments"] + tiles}[mode]
