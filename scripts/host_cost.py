@@ -1,0 +1,233 @@
+"""Host cost of one eager ``moelab.routed_moe`` call on the triton backend, on a CPU (kernels stubbed) or a CUDA GPU.
+
+    python scripts/host_cost.py                                   # T=1,32; Qwen3-30B-A3B, OLMoE, Mixtral, GPT-OSS
+    python scripts/host_cost.py --shape qwen3-30b-a3b --tokens 1 --rounds 9 --calls 300
+    python scripts/host_cost.py --profile 2000                    # + where the host time goes (cProfile)
+    python scripts/host_cost.py --launches a.json                 # + what Triton was asked to compile (CPU only)
+    PYTHONPATH=/path/to/other/tree python scripts/host_cost.py    # another tree's moelab (the path printed first)
+
+Each shape and T: the call the bench's "moelab triton" row makes (packed routing words, ``validate=False``, plain
+SwiGLU unless ``--activation``/``--bias``), repeated ``--calls`` times back to back in each of ``--rounds`` rounds;
+the best round's µs per call, and per kernel launch.
+
+Without a CUDA GPU (any CPU box): moelab's kernels are built as they are for a GPU (``TRITON_INTERPRET=0``:
+:class:`moelab.kernels.launch.CachedLaunchJIT`, not the interpreter), and Triton is stubbed below them: its
+``JITFunction.run`` (the first launch of each signature: dispatch and compile) returns a stand-in compiled kernel
+whose launch does nothing. The time is then moelab's own Python (checks, host arithmetic, ``torch.empty`` of CPU
+buffers) and ``CachedLaunchJIT``'s argument binding and signature: everything of a call but Triton's compiled
+launcher and the GPU (meant for decode sizes: from T ~ 1024 the CPU's own fills and page faults of large buffers
+dominate and say nothing about a GPU). The tile configs are the H200's (its compute capability and shared memory),
+and the weights are never written (``torch.empty``: a Mixtral layer costs no memory). ``dispatches`` counts
+launches that missed ``CachedLaunchJIT``'s table in the timed rounds (each one is Triton's full dispatch on a GPU):
+it must be 0.
+``--launches FILE`` writes, for every launch that reached Triton's ``run``, the kernel, grid, launch options and
+each parameter by name as Triton specializes it (a tensor by dtype and 16-byte alignment, anything else by value):
+two trees whose files are equal launch the same compiled kernels with the same arguments.
+
+On a CUDA GPU the calls are real: the time per call is wall time with ``torch.cuda.synchronize()`` only after each
+round (at decode sizes the host is the bottleneck, so this is the host time; where the GPU work is longer, e.g.
+Mixtral, it is the GPU's), beside the same call replayed from a CUDA graph (the GPU time) and their ratio (issue
+12's target: eager <= 1.5x graph at T = 1 and 32). Prints only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # moelab's kernels as a GPU builds them (before moelab imports triton), launched by the stubs below
+    os.environ["TRITON_INTERPRET"] = "0"
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # this tree's moelab, unless PYTHONPATH names another
+
+import moelab  # noqa: E402
+from moelab.roofline import SHAPES  # noqa: E402
+
+#: What the stubbed Triton saw: first launches of a signature (``dispatch``) and stubbed compiled launches.
+COUNTS = {"dispatch": 0, "launch": 0}
+#: ``--launches``: every launch that reached the stubbed ``JITFunction.run``, its arguments by name.
+LAUNCHES: list = []
+
+
+class _StubCompiledKernel:
+    """Stands for Triton's ``CompiledKernel``: ``kernel[grid](*args)`` counts the launch and does nothing else."""
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args):
+        COUNTS["launch"] += 1
+
+
+def _stub_triton() -> None:
+    """Replace what a CPU cannot run: Triton's dispatch and compile (``JITFunction.run``), the current CUDA device
+    that ``CachedLaunchJIT`` keys launches on, the device limits the tile choice reads (an H200's), and the
+    triton backend's availability check (CPU tensors are not interpreted here)."""
+    import inspect
+
+    from triton.runtime import JITFunction
+
+    from moelab.backends import triton_backend
+    from moelab.kernels import launch, moe_gemm
+
+    def run(self, *args, grid, warmup, **kwargs):
+        # Triton's own binding would reject these; check them here, so a stubbed call binds as a real one would
+        params = {k: v for k, v in kwargs.items() if k in self.arg_names}
+        bound = inspect.signature(self.fn).bind(*args, **params)
+        assert isinstance(grid, tuple) and all(type(g) is int and g > 0 for g in grid), (self.fn.__name__, grid)
+        bound.apply_defaults()
+        LAUNCHES.append(dict(kernel=self.fn.__name__, grid=list(grid), options=sorted(
+            (k, repr(v)) for k, v in kwargs.items() if k not in params), args={
+            k: f"tensor {v.dtype} aligned={v.data_ptr() % 16 == 0}" if isinstance(v, torch.Tensor) else repr(v)
+            for k, v in bound.arguments.items()}))
+        COUNTS["dispatch"] += 1
+        COUNTS["launch"] += 1
+        return _StubCompiledKernel()
+
+    JITFunction.run = run
+    launch.current_device = lambda: 0
+    h200 = moe_gemm.DeviceLimits((9, 0), 232448)
+    moe_gemm.device_limits = lambda device: h200
+    triton_backend.unavailable_reason = lambda device: None
+
+
+def make_call(shape: str, T: int, activation: str, bias: bool):
+    """The bench's eager call of ``shape`` at ``T`` tokens (returns a function of no arguments)."""
+    s = SHAPES[shape]
+    dev, dt = ("cuda" if CUDA else "cpu"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = 2 * s.I
+    if CUDA:
+        w13 = torch.randn(s.E, rows, s.H, device=dev, dtype=dt, generator=g) / s.H**0.5
+        w2 = torch.randn(s.E, s.H, s.I, device=dev, dtype=dt, generator=g) / s.I**0.5
+    else:  # never read: the kernels do not run
+        w13, w2 = torch.empty(s.E, rows, s.H, dtype=dt), torch.empty(s.E, s.H, s.I, dtype=dt)
+    expert = {} if activation == "silu" else {"activation": activation}
+    if bias:
+        expert |= dict(w13_bias=torch.randn(s.E, rows, device=dev, dtype=dt, generator=g) / 8,
+                       w2_bias=torch.randn(s.E, s.H, device=dev, dtype=dt, generator=g) / 8)
+    W = moelab.prepare_weights(w13, w2, backend="triton", **expert)
+    x = torch.randn(T, s.H, device=dev, dtype=dt, generator=g)
+    ids = torch.rand(T, s.E, device=dev, generator=g).argsort(dim=1)[:, :s.K].int()
+    packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, s.K, device=dev, generator=g))
+    E, K = s.E, s.K
+    return lambda: moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+
+
+def launches_per_call(call) -> int:
+    """Kernel launches of one call (on a GPU: calls of moelab's launch entry, ``CachedLaunchJIT._launch`` where the
+    tree has it, else ``CachedLaunchJIT.run``)."""
+    if not CUDA:
+        before = COUNTS["launch"]
+        call()
+        return COUNTS["launch"] - before
+    from moelab.kernels.launch import CachedLaunchJIT
+
+    name = "_launch" if "_launch" in CachedLaunchJIT.__dict__ else "run"
+    entry = CachedLaunchJIT.__dict__[name]
+    seen = []
+
+    def counting(self, *args, **kwargs):
+        seen.append(self)
+        return entry(self, *args, **kwargs)
+
+    setattr(CachedLaunchJIT, name, counting)
+    try:
+        call()
+        torch.cuda.synchronize()
+    finally:
+        setattr(CachedLaunchJIT, name, entry)
+    return len(seen)
+
+
+def host_us(call, rounds: int, calls: int) -> float:
+    """Best round's µs per call (``calls`` back to back; on a GPU one synchronize after each round)."""
+    best = float("inf")
+    for _ in range(rounds):
+        if CUDA:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        if CUDA:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def graph_us(call, calls: int) -> float:
+    """µs per replay of ``call`` captured in a CUDA graph (the GPU time of the call)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def measure(shape: str, T: int, a) -> None:
+    call = make_call(shape, T, a.activation, a.bias)
+    for _ in range(20):  # first launches: Triton's dispatch (and on a GPU the compile)
+        call()
+    n = launches_per_call(call)
+    dispatched = COUNTS["dispatch"]
+    us = host_us(call, a.rounds, a.calls)
+    line = (f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {us / max(n, 1):6.1f} µs/launch  ({n} launches")
+    if CUDA:
+        g = graph_us(call, a.calls)
+        line += f"); CUDA graph {g:7.1f} µs/call; eager / graph {us / g:5.2f}"
+    else:
+        line += f", dispatches {COUNTS['dispatch'] - dispatched} in the timed rounds)"
+    print(line, flush=True)
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [call() for _ in range(a.profile)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b,olmoe,mixtral,gpt-oss-20b")
+    p.add_argument("--tokens", default="1,32")
+    p.add_argument("--rounds", type=int, default=7, help="rounds of --calls calls; the best round counts")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--activation", default="silu", help="the experts' activation (prepare_weights)")
+    p.add_argument("--bias", action="store_true", help="GEMM1 and GEMM2 biases")
+    p.add_argument("--profile", type=int, default=0, help="also N calls under cProfile, by own time")
+    p.add_argument("--launches", help="CPU: write what Triton's run was asked to launch to this JSON file")
+    a = p.parse_args()
+    if not CUDA:
+        _stub_triton()
+    where = torch.cuda.get_device_name() if CUDA else "CPU, Triton stubbed below CachedLaunchJIT"
+    print(f"moelab {moelab.__file__}, torch {torch.__version__}, triton {__import__('triton').__version__}, {where}")
+    for shape in a.shape.split(","):
+        for T in (int(t) for t in a.tokens.split(",")):
+            measure(shape, T, a)
+            if CUDA:
+                torch.cuda.empty_cache()
+    if a.launches and not CUDA:
+        Path(a.launches).write_text(json.dumps(LAUNCHES, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
