@@ -15,6 +15,7 @@ the static-capacity layer in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import pytest
@@ -202,6 +203,48 @@ def test_import_moelab_does_not_import_distributed():
 
 E, K, H, I, L, RANK = 8, 2, 32, 16, 2, 4  # tiny: the torch backend on 2 shared cores
 MODES = moelab.distributed.DISPATCH_MODES
+
+
+def _gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (ProcessGroupGloo's workers, its TCP loop), read from /proc."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc/self/task")
+def test_layer_does_not_keep_its_group_alive(tmp_path):
+    """destroy_process_group ends the group while a layer built on it still lives (a global of a script, say):
+    gloo's threads are gone, and the layer's next call raises. A group kept alive until the interpreter exits
+    aborted torchrun ranks now and then: a gloo worker freeing a finished collective's tensors needs the GIL,
+    which the exiting interpreter refuses ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    from moelab.distributed import ExpertParallelMoE
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    x, weights = torch.randn(5, H, generator=g), torch.rand(5, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = ExpertParallelMoE(w13, w2, num_experts=E, top_k=K, backend="torch")
+        out = layer(x, weights, ids)
+        running = _gloo_threads()
+    finally:
+        dist.destroy_process_group()
+    expected = reference.lora_experts(x, weights, ids, None, w13, w2, None)["output"]
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), "the 1-rank layer's output"
+    assert running, "no gloo thread found while the group was up: this check would see nothing"
+    assert _gloo_threads() == [], f"gloo threads still running after destroy_process_group: {_gloo_threads()}"
+    with pytest.raises(RuntimeError, match="process group was destroyed"):
+        layer(x, weights, ids)
 
 
 def _model(seed=0, device="cpu"):

@@ -59,6 +59,7 @@ collective's order for allgather_reducescatter).
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -140,8 +141,9 @@ class ExpertParallelMoE(nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first (or run under torchrun)")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        group = group if group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._group = weakref.ref(group)  # torch.distributed owns the group, not the layer (see ``group``)
         error = None
         try:  # local checks first; the collective check below makes every rank raise if any rank failed
             self._setup(w13, w2, num_experts, top_k, lora, dispatch, backend, expert_map)
@@ -158,6 +160,19 @@ class ExpertParallelMoE(nn.Module):
         #: sent to other ranks in dispatch and combine).
         self.timings: dict[str, float] | None = None
         self._last_mark = 0.0
+
+    @property
+    def group(self):
+        """The layer's process group. The layer holds it weakly, so that ``dist.destroy_process_group()`` really
+        ends it: a group still alive when the interpreter exits (held by a layer in a global, say) keeps gloo's
+        worker threads running, and one that frees a finished collective's tensors then needs the GIL, which
+        the exiting interpreter no longer gives: the process aborts ("terminate called without an active
+        exception")."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("ExpertParallelMoE: its process group was destroyed (destroy_process_group); build "
+                               "the layer again in the new group")
+        return group
 
     # ------------------------------------------------------------------------------------------ construction
 
