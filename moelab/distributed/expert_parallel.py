@@ -102,7 +102,8 @@ class ExpertParallelMoE(nn.Module):
             ``r*E/R .. (r+1)*E/R - 1`` (so P_local = E/R).
         num_experts: E, the logical experts ``topk_ids`` name; top_k: K.
         lora: a :class:`moelab.LoRABank` over the same P_local experts, or None.
-        group: the process group (default: the world). gloo on CPU tensors, NCCL on CUDA tensors.
+        group: the process group (default: the world), held weakly (see :attr:`group`). gloo on CPU tensors,
+            NCCL on CUDA tensors.
         dispatch: "all_to_all" or "allgather_reducescatter" (module docstring).
         backend: moelab's compute backend on each rank ("auto", "torch", "triton", "flashinfer").
         expert_map: int [P = R * P_local], the logical expert each physical expert holds (a row of
