@@ -216,12 +216,30 @@ def _gloo_threads() -> list[str]:
     return [n for n in names if "gloo" in n]
 
 
+def _fail_in_a_frame_holding(group, fn):
+    """``fn``'s error (as :func:`_expect_error` gives it), from a frame that holds ``group``."""
+    return _expect_error(fn)
+
+
+def _kept_error(fn):
+    """The ValueError ``fn`` raises, kept (with its traceback), or None."""
+    try:
+        fn()
+    except ValueError as err:
+        return err
+    return None
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc/self/task")
 def test_layer_does_not_keep_its_group_alive(tmp_path):
-    """destroy_process_group ends the group while a layer built on it still lives (a global of a script, say):
-    gloo's threads are gone, and the layer's next call raises. A group kept alive until the interpreter exits
-    aborted torchrun ranks now and then: a gloo worker freeing a finished collective's tensors needs the GIL,
-    which the exiting interpreter refuses ("terminate called without an active exception")."""
+    """destroy_process_group ends the group while layers built on it still live (a global of a script, say), also
+    after failed calls from a frame holding the group (no reference cycle keeps that frame: the garbage collector is
+    off) and with a failed construction's error kept: gloo's threads are gone, and the layer's next call raises. A
+    group kept alive until the interpreter exits aborted torchrun ranks now and then: a gloo worker freeing a
+    finished collective's tensors needs the GIL, which the exiting interpreter refuses ("terminate called without
+    an active exception")."""
+    import gc
+
     import torch.distributed as dist
 
     from moelab.distributed import ExpertParallelMoE
@@ -232,17 +250,33 @@ def test_layer_does_not_keep_its_group_alive(tmp_path):
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
     x, weights = torch.randn(5, H, generator=g), torch.rand(5, K, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    gc.disable()
     try:
-        layer = ExpertParallelMoE(w13, w2, num_experts=E, top_k=K, backend="torch")
-        out = layer(x, weights, ids)
-        running = _gloo_threads()
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        try:
+            layer = ExpertParallelMoE(w13, w2, num_experts=E, top_k=K, backend="torch")
+            static = ExpertParallelMoE(w13, w2, num_experts=E, top_k=K, backend="torch", max_tokens_per_rank=8)
+            out = layer(x, weights, ids)
+            world = dist.group.WORLD  # failing calls from a frame that holds the group, as a user's function may
+            failures = [_fail_in_a_frame_holding(world, lambda: ExpertParallelMoE(w13[:3], w2[:3], num_experts=E,
+                                                                                   top_k=K)),
+                        _fail_in_a_frame_holding(world, lambda: layer(x, weights, ids + E)),
+                        _fail_in_a_frame_holding(world, lambda: static(x, weights, ids + E)),
+                        _fail_in_a_frame_holding(world, lambda: layer.rebalance(torch.zeros(E, dtype=torch.int64)))]
+            del world
+            kept = _kept_error(lambda: ExpertParallelMoE(w13[:3], w2[:3], num_experts=E, top_k=K,
+                                                         group=dist.group.WORLD))
+            running = _gloo_threads()
+        finally:
+            dist.destroy_process_group()
+        left = _gloo_threads()
     finally:
-        dist.destroy_process_group()
+        gc.enable()
     expected = reference.lora_experts(x, weights, ids, None, w13, w2, None)["output"]
     assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), "the 1-rank layer's output"
+    assert all(f and f.startswith("ValueError") for f in failures) and isinstance(kept, ValueError), failures
     assert running, "no gloo thread found while the group was up: this check would see nothing"
-    assert _gloo_threads() == [], f"gloo threads still running after destroy_process_group: {_gloo_threads()}"
+    assert left == [], f"gloo threads still running after destroy_process_group: {left}"
     with pytest.raises(RuntimeError, match="process group was destroyed"):
         layer(x, weights, ids)
 
