@@ -708,3 +708,5 @@ if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_distributed
         _check_results(every, world_size, device)
         print(f"test_distributed: all checks passed on {world_size} ranks")
     dist.destroy_process_group()  # before the interpreter exits (moelab.distributed's docstring says why)
+    left = _gloo_threads() if sys.platform.startswith("linux") else []
+    assert not left, f"rank {rank}: the process group outlived destroy_process_group (gloo threads {left})"
