@@ -15,6 +15,7 @@ the static-capacity layer in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import pytest
@@ -202,6 +203,82 @@ def test_import_moelab_does_not_import_distributed():
 
 E, K, H, I, L, RANK = 8, 2, 32, 16, 2, 4  # tiny: the torch backend on 2 shared cores
 MODES = moelab.distributed.DISPATCH_MODES
+
+
+def _gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (ProcessGroupGloo's workers, its TCP loop), read from /proc."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]
+
+
+def _fail_in_a_frame_holding(group, fn):
+    """``fn``'s error (as :func:`_expect_error` gives it), from a frame that holds ``group``."""
+    return _expect_error(fn)
+
+
+def _kept_error(fn):
+    """The ValueError ``fn`` raises, kept (with its traceback), or None."""
+    try:
+        fn()
+    except ValueError as err:
+        return err
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc/self/task")
+def test_layer_does_not_keep_its_group_alive(tmp_path):
+    """destroy_process_group ends the group while layers built on it still live (a global of a script, say), also
+    after failed calls from a frame holding the group (no reference cycle keeps that frame: the garbage collector is
+    off) and with a failed construction's error kept: gloo's threads are gone, and the layer's next call raises. A
+    group kept alive until the interpreter exits aborted torchrun ranks now and then: a gloo worker freeing a
+    finished collective's tensors needs the GIL, which the exiting interpreter refuses ("terminate called without
+    an active exception")."""
+    import gc
+
+    import torch.distributed as dist
+
+    from moelab.distributed import ExpertParallelMoE
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    x, weights = torch.randn(5, H, generator=g), torch.rand(5, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)])
+    gc.disable()
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        try:
+            layer = ExpertParallelMoE(w13, w2, num_experts=E, top_k=K, backend="torch")
+            static = ExpertParallelMoE(w13, w2, num_experts=E, top_k=K, backend="torch", max_tokens_per_rank=8)
+            out = layer(x, weights, ids)
+            world = dist.group.WORLD  # failing calls from a frame that holds the group, as a user's function may
+            failures = [_fail_in_a_frame_holding(world, lambda: ExpertParallelMoE(w13[:3], w2[:3], num_experts=E,
+                                                                                   top_k=K)),
+                        _fail_in_a_frame_holding(world, lambda: layer(x, weights, ids + E)),
+                        _fail_in_a_frame_holding(world, lambda: static(x, weights, ids + E)),
+                        _fail_in_a_frame_holding(world, lambda: layer.rebalance(torch.zeros(E, dtype=torch.int64)))]
+            del world
+            kept = _kept_error(lambda: ExpertParallelMoE(w13[:3], w2[:3], num_experts=E, top_k=K,
+                                                         group=dist.group.WORLD))
+            running = _gloo_threads()
+        finally:
+            dist.destroy_process_group()
+        left = _gloo_threads()
+    finally:
+        gc.enable()
+    expected = reference.lora_experts(x, weights, ids, None, w13, w2, None)["output"]
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), "the 1-rank layer's output"
+    assert all(f and f.startswith("ValueError") for f in failures) and isinstance(kept, ValueError), failures
+    assert running, "no gloo thread found while the group was up: this check would see nothing"
+    assert left == [], f"gloo threads still running after destroy_process_group: {left}"
+    with pytest.raises(RuntimeError, match="process group was destroyed"):
+        layer(x, weights, ids)
 
 
 def _model(seed=0, device="cpu"):
@@ -630,5 +707,6 @@ if __name__ == "__main__":  # torchrun --nproc-per-node N tests/test_distributed
     if rank == 0:
         _check_results(every, world_size, device)
         print(f"test_distributed: all checks passed on {world_size} ranks")
-    dist.barrier()  # every rank leaves the group together (moelab.distributed's docstring says why)
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # before the interpreter exits (moelab.distributed's docstring says why)
+    left = _gloo_threads() if sys.platform.startswith("linux") else []
+    assert not left, f"rank {rank}: the process group outlived destroy_process_group (gloo threads {left})"

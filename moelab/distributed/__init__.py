@@ -6,9 +6,10 @@
     check_expert_map, replica_maps, default_expert_map   placement helpers
     spawn_ranks, init_from_env start R local ranks (gloo/NCCL), or join torchrun's group
 
-Leave a group together: every rank calls ``dist.barrier()`` before ``dist.destroy_process_group()``. On gloo a rank
-that tears down its connections while a peer is still finishing the last collective can abort that peer at exit
-("terminate called without an active exception"); ``spawn_ranks`` does it for its ranks.
+End a group with ``dist.destroy_process_group()`` on every rank (``spawn_ranks`` does it for its ranks). A layer
+holds its group weakly, so that call ends it. A gloo group still alive when the interpreter exits can abort the
+rank there ("terminate called without an active exception"): a gloo worker thread that frees the last
+collective's tensors needs the GIL, which the exiting interpreter refuses.
 
 ``import moelab`` does not import this package; ``moelab.distributed`` (attribute access) or
 ``import moelab.distributed`` does.

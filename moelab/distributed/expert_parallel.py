@@ -59,6 +59,7 @@ collective's order for allgather_reducescatter).
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,12 @@ _BANK_TENSORS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
 
 
 def _reraise(error: Exception, note: str):
-    """Raise ``error`` again with ``note`` appended to its message (the same type when it can be rebuilt)."""
+    """Raise ``error`` again with ``note`` appended to its message (the same type when it can be rebuilt).
+
+    Callers hold ``error`` in a local until every rank has learnt of it; they ``del`` it once this raises. The
+    error's traceback holds the caller's frame, so a frame still holding the error is a cycle that keeps it and the
+    frames above it (and any process group in them) alive until the garbage collector runs, past
+    ``destroy_process_group``: see :attr:`ExpertParallelMoE.group` for why a group must not outlive that."""
     if type(error) in (TypeError, ValueError, RuntimeError, IndexError):
         raise type(error)(f"{error} {note}") from error
     raise error
@@ -101,7 +107,8 @@ class ExpertParallelMoE(nn.Module):
             ``r*E/R .. (r+1)*E/R - 1`` (so P_local = E/R).
         num_experts: E, the logical experts ``topk_ids`` name; top_k: K.
         lora: a :class:`moelab.LoRABank` over the same P_local experts, or None.
-        group: the process group (default: the world). gloo on CPU tensors, NCCL on CUDA tensors.
+        group: the process group (default: the world), held weakly (see :attr:`group`). gloo on CPU tensors,
+            NCCL on CUDA tensors.
         dispatch: "all_to_all" or "allgather_reducescatter" (module docstring).
         backend: moelab's compute backend on each rank ("auto", "torch", "triton", "flashinfer").
         expert_map: int [P = R * P_local], the logical expert each physical expert holds (a row of
@@ -140,7 +147,8 @@ class ExpertParallelMoE(nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first (or run under torchrun)")
-        self.group = group if group is not None else dist.group.WORLD
+        self._group = weakref.ref(group if group is not None else dist.group.WORLD)  # torch.distributed owns it
+        del group  # nor does this frame hold it (a failed construction's traceback holds the frame)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         error = None
         try:  # local checks first; the collective check below makes every rank raise if any rank failed
@@ -149,8 +157,11 @@ class ExpertParallelMoE(nn.Module):
                                         check_int("max_tokens_per_rank", max_tokens_per_rank, low=1))
         except Exception as err:  # any local failure: every rank must learn of it, or the others would hang
             error = err
-        self._agree_or_raise(error, w13, w2, num_experts, top_k, lora, dispatch, expert_map,
-                             capacity=max_tokens_per_rank)
+        try:
+            self._agree_or_raise(error, w13, w2, num_experts, top_k, lora, dispatch, expert_map,
+                                 capacity=max_tokens_per_rank)
+        finally:
+            del error  # no frame <-> traceback cycle (see _reraise)
         self.reset_load()
         #: None, or a dict the forward adds seconds per phase to: "route", "exchange" (the header all_gather),
         #: "wait" (for the slowest rank, before each collective), "dispatch", "experts", "combine"
@@ -158,6 +169,19 @@ class ExpertParallelMoE(nn.Module):
         #: sent to other ranks in dispatch and combine).
         self.timings: dict[str, float] | None = None
         self._last_mark = 0.0
+
+    @property
+    def group(self):
+        """The layer's process group. The layer holds it weakly, so that ``dist.destroy_process_group()`` really
+        ends it: a group still alive when the interpreter exits (held by a layer in a global, say) keeps gloo's
+        worker threads running, and one that frees a finished collective's tensors then needs the GIL, which
+        the exiting interpreter no longer gives: the process aborts ("terminate called without an active
+        exception")."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("ExpertParallelMoE: its process group was destroyed (destroy_process_group); build "
+                               "the layer again in the new group")
+        return group
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -274,8 +298,11 @@ class ExpertParallelMoE(nn.Module):
                                        ep_size=R)
         except Exception as err:
             error, new_map = err, None
-        self._agree_or_raise(error, self.w13, self.w2, E, self.top_k, self.lora, self.dispatch, expert_map,
-                             capacity=self.max_tokens_per_rank)
+        try:
+            self._agree_or_raise(error, self.w13, self.w2, E, self.top_k, self.lora, self.dispatch, expert_map,
+                                 capacity=self.max_tokens_per_rank)
+        finally:
+            del error  # no frame <-> traceback cycle (see _reraise)
         old_map = self.metadata.expert_map
         first_copy = torch.full((E,), -1, dtype=torch.int64)
         first_copy.scatter_reduce_(0, old_map, torch.arange(old_map.numel()), "amin", include_self=False)
@@ -432,8 +459,11 @@ class ExpertParallelMoE(nn.Module):
         _all_gather(every, header, self.group)
         every = every.view(R, -1).cpu()  # the call's one host sync: the split sizes
         self._mark("exchange")
-        if error is not None:
-            _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
+        try:
+            if error is not None:
+                _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
+        finally:
+            del error  # no frame <-> traceback cycle (see _reraise)
         failed = every[:, 1].nonzero().flatten().tolist()
         if failed:
             raise ValueError(f"ExpertParallelMoE: rank(s) {failed} rejected their input (their error says why); no "
@@ -568,21 +598,25 @@ class ExpertParallelMoE(nn.Module):
                                  f"split the batch")
         except Exception as err:
             error = err
-        if validate:  # eager: every rank learns whether any rank's input was bad (one host sync)
-            flags = torch.zeros(self.world_size, dtype=torch.int64, device=self.w13.device)
-            _all_gather(flags, torch.tensor([int(error is not None)], device=self.w13.device), self.group)
-            flags = flags.cpu()
-            if error is not None:
-                _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
-            failed = flags.nonzero().flatten().tolist()
-            if failed:
-                raise ValueError(f"ExpertParallelMoE: rank(s) {failed} rejected their input (their error says "
-                                 f"why); no rank ran the layer")
-        elif error is not None:  # take part with no tokens (the others must not wait), then raise here only
-            H, K, device = self.w13.shape[2], self.top_k, self.w13.device
-            self._static_call(self.w13.new_zeros(0, H), torch.zeros(0, K, device=device),
-                              torch.zeros(0, K, dtype=torch.int64, device=device), None)
-            _reraise(error, f"(rank {self.rank}; the other ranks finished the call without this rank's tokens)")
+        try:
+            if validate:  # eager: every rank learns whether any rank's input was bad (one host sync)
+                flags = torch.zeros(self.world_size, dtype=torch.int64, device=self.w13.device)
+                _all_gather(flags, torch.tensor([int(error is not None)], device=self.w13.device), self.group)
+                flags = flags.cpu()
+                if error is not None:
+                    _reraise(error, f"(rank {self.rank}; every rank of the group raised)")
+                failed = flags.nonzero().flatten().tolist()
+                if failed:
+                    raise ValueError(f"ExpertParallelMoE: rank(s) {failed} rejected their input (their error says "
+                                     f"why); no rank ran the layer")
+            elif error is not None:  # take part with no tokens (the others must not wait), then raise here only
+                H, K, device = self.w13.shape[2], self.top_k, self.w13.device
+                self._static_call(self.w13.new_zeros(0, H), torch.zeros(0, K, device=device),
+                                  torch.zeros(0, K, dtype=torch.int64, device=device), None)
+                _reraise(error, f"(rank {self.rank}; the other ranks finished the call without this rank's "
+                                f"tokens)")
+        finally:
+            del error  # no frame <-> traceback cycle (see _reraise)
         return self._static_call(hidden_states, topk_weights, topk_ids, lora_ids)
 
     def _static_call(self, x, topk_weights, topk_ids, lora_ids):

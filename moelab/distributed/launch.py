@@ -39,8 +39,7 @@ def _rank_main(rank, fn, world_size, port, backend, timeout, out_dir, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # leave together (moelab.distributed's docstring says why)
-    finally:
+    finally:  # ends the group before the interpreter exits (moelab.distributed's docstring says why)
         dist.destroy_process_group()
 
 
