@@ -482,9 +482,9 @@ def _bank_sizes(bank: LoRABank, num_local_experts: int) -> dict:
 
 
 @dataclass(frozen=True)
-class TileLoRA:
-    """The GEMMs' LoRA operands in the tile mode (prefill): rank vectors by permuted row, written by
-    :func:`shrink_w13_tiles` (``s13``) and :func:`shrink_w2_tiles` (``s2``), and the tiles holding an adapter."""
+class _LoRAOperands:
+    """What every fused mode's LoRA operands hold first: the bank, each token's slot, the routing weights, the GEMMs'
+    segments, top-k and the local expert count (the mode classes below add their shrink buffers)."""
 
     bank: LoRABank
     lora_ids: torch.Tensor  # int [T], -1 = none
@@ -492,6 +492,13 @@ class TileLoRA:
     segments: Segments  # the GEMMs' rows
     top_k: int
     num_local_experts: int
+
+
+@dataclass(frozen=True)
+class TileLoRA(_LoRAOperands):
+    """The GEMMs' LoRA operands in the tile mode (prefill): rank vectors by permuted row, written by
+    :func:`shrink_w13_tiles` (``s13``) and :func:`shrink_w2_tiles` (``s2``), and the tiles holding an adapter."""
+
     s13_by_row: torch.Tensor  # [R, 2, L_PAD*R_PAD] input dtype, stacked [up | gate]
     s2_by_row: torch.Tensor  # [R, L_PAD*R_PAD] input dtype, weighted
     tile_flags: torch.Tensor  # int32 [live tiles]: the tile holds a row with an adapter
@@ -513,16 +520,10 @@ class TileLoRA:
 
 
 @dataclass(frozen=True)
-class DecodeLoRA:
+class DecodeLoRA(_LoRAOperands):
     """The GEMMs' LoRA operands in the decode mode: rank vectors by slot, s13 written by
     :func:`decode_segments_w13_shrink`, s2 summed by GEMM1's epilogue (fp32 atomics) and read by GEMM2."""
 
-    bank: LoRABank
-    lora_ids: torch.Tensor  # int [T], -1 = none
-    expert_weights: torch.Tensor  # float [T, K], the caller's
-    segments: Segments
-    top_k: int
-    num_local_experts: int
     s13_by_slot: torch.Tensor  # [T*K, 2, L_PAD*R_PAD] input dtype, stacked [up | gate]
     s2_by_slot: torch.Tensor  # [T*K, L_PAD*R_PAD] fp32, unweighted
 
@@ -631,18 +632,12 @@ def own_rank_pad(bank: LoRABank) -> int:
 
 
 @dataclass(frozen=True)
-class AdapterLoopLoRA:
+class AdapterLoopLoRA(_LoRAOperands):
     """The GEMMs' LoRA operands of the adapter loop (wide banks, see "the adapter loop" above): each row's own rank
     vectors, by slot at decode (``s13`` written by :func:`adapter_loop_decode_launch`, ``s2`` summed by GEMM1's
     epilogue, fp32) or by permuted row in tiles (:func:`adapter_loop_shrink_w13`, :func:`adapter_loop_shrink_w2`;
     ``s2`` weighted, in the input dtype), and the bank's rank table."""
 
-    bank: LoRABank
-    lora_ids: torch.Tensor  # int [T], -1 = none
-    expert_weights: torch.Tensor  # float [T, K], the caller's
-    segments: Segments
-    top_k: int
-    num_local_experts: int
     decode: bool
     ranks: torch.Tensor  # int32 [L], bank.rank_table()
     s13: torch.Tensor  # [T*K or R, 2, R_PAD] input dtype, [up | gate]
