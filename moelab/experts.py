@@ -129,7 +129,7 @@ class LoRAExperts(nn.Module):
         self.lora = lora
         self.fused = self._check_fused(fused)
         self._path = fused if isinstance(fused, str) else None
-        if fused is True and get_backend(self.backend).fused_lora_reason(self.lora, "tiles") is not None:
+        if fused is True and self.fused and get_backend(self.backend).fused_lora_reason(self.lora, "tiles"):
             self._path = "adapter-loop"  # the one fused path a bank this wide takes, at every batch size
 
     def _check_fused(self, fused: bool | str | None) -> bool:

@@ -277,6 +277,9 @@ def test_fused_choice_and_its_errors(device):
     assert moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton", fused=True).fused
     with pytest.raises(ValueError, match="fused.*'tiles' path.*got 512 stacked columns"):
         moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=wide, backend="triton", fused="tiles")
+    for backend in ("triton", "torch"):  # no bank: nothing to fold, fused=True builds the base MoE
+        base_only = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=None, backend=backend, fused=True)
+        assert not base_only.fused and base_only._path is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,8 +7,9 @@ and exposes:
     lora_experts(call: LoRAExpertsCall) -> Tensor   :class:`moelab.LoRAExperts`' forward, ``call.output`` [T, H];
                                                  :func:`moelab.backends.lora_flow.lora_experts` (vLLM's unfused
                                                  flow on the backend's own ``routed_moe``) is every backend's fallback
-    fused_lora_reason(bank) -> str | None       why ``lora_experts`` cannot fold ``bank`` into its kernels
-                                                 (None: it can, with ``call.fused``)
+    fused_lora_reason(bank, path=None) -> str | None   why ``lora_experts`` cannot fold ``bank`` into its
+                                                 kernels (None: it can, with ``call.fused``), or cannot on that
+                                                 one fused path of ``moelab.experts.LORA_PATHS``
 
 Backends import ``moelab.contract`` and the ops below it, never ``moelab.moe`` or ``moelab.experts`` (the front
 ends that import them).

@@ -55,6 +55,6 @@ def lora_experts(call: LoRAExpertsCall, routed_moe: Callable[[RoutedMoECall], Ro
                                  validate=False, use_triton=use_triton)
 
 
-def no_fused_lora(bank: LoRABank) -> str:
+def no_fused_lora(bank: LoRABank, path: str | None = None) -> str:
     """``fused_lora_reason`` of a backend whose kernels take no LoRA bank."""
     return "only the triton backend folds a LoRA bank into its kernels"
