@@ -275,15 +275,15 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     base path's."""
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, routed_moe)
-    if call.lora is not None and call.path is None and not stacked_fits(call.lora) and (
-            call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts):
+    wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)  # left to the module
+    if wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts:
         return lora_flow.lora_experts(call, routed_moe)  # a wide bank past the adapter loop's crossover
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
     lora = None
     if call.lora is not None:  # the stacked modes for a narrow bank, the adapter loop for a wide one (or forced)
-        adapter_loop = call.path == "adapter-loop" or (call.path is None and not stacked_fits(call.lora))
+        adapter_loop = wide or call.path == "adapter-loop"
         lora = FusedLoRA(call.lora, call.lora_ids.contiguous(), call.path if not adapter_loop else None, adapter_loop)
     if lora is not None and lora.mode == "decode" and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
         raise ValueError(f"fused: the decode mode takes at most {FUSED_DECODE_MAX_SLOTS} slots (T*K), got "

@@ -272,11 +272,10 @@ def run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     """
     T, K = top_k_index.shape
     ids = top_k_index
-    if bank is None or lora_ids is None:  # the base MoE: the tuple takes routed_moe's fast path (no per-check cost)
-        return routed_moe((ids, top_k_weights), hidden_states, weights, num_experts=num_experts, top_k=K,
-                          validate=False, apply_router_weight_on_input=apply_router_weight_on_input)[0]
     moe_args = dict(num_experts=num_experts, top_k=K, validate=False,
                     apply_router_weight_on_input=apply_router_weight_on_input)
+    if bank is None or lora_ids is None:  # the base MoE: the tuple takes routed_moe's fast path (no per-check cost)
+        return routed_moe((ids, top_k_weights), hidden_states, weights, **moe_args)[0]
     use_triton = weights.backend != "torch"
     delta = w13_lora_delta(hidden_states, ids, lora_ids, bank, validate=False, use_triton=use_triton)
     if apply_router_weight_on_input:  # the expert sees w * x; its LoRA delta is linear in x
