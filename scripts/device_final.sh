@@ -12,10 +12,7 @@ DEST=${OUT:-build/final}; mkdir -p "$DEST"
 # The logs are written to /tmp/final and packed into $DEST/final.tgz on exit (the tool brings back 8 files at most).
 OUT=/tmp/final; rm -rf "$OUT"; mkdir -p "$OUT"
 trap 'tar czf "$DEST/final.tgz" -C "$OUT" .' EXIT
-T0=$(date +%s); el() { echo "--- $1 at $(( $(date +%s) - T0 )) s"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)"
-  echo "commit ${MOELAB_COMMIT:-unknown}"; } 2>&1 | tee "$OUT/env.txt"
+. "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
 el "gpu suite"
 PYTHONPATH=$PWD COLUMNS=200 timeout -s INT 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rfE --tb=short \
   tests/test_experts.py tests/test_routed_moe.py tests/test_ops.py tests/test_routing.py tests/test_lora.py \

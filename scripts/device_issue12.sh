@@ -9,10 +9,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-build/issue12}; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "--- $1 at $(( $(date +%s) - T0 )) s"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)"
-  echo "commit ${MOELAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$OUT/env.txt"
+. "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
 ALL_T=1,32,128,1024,4096,16384
 B="python3 -m moelab.bench --quick --check-tokens 4 --peers grouped_mm"
 el base

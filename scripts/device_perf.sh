@@ -12,10 +12,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/perf}; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo "--- $1 at $(( $(date +%s) - T0 )) s"; }
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)"
-  echo "commit ${MOELAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; nproc; } 2>&1 | tee "$OUT/env.txt"
+. "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
 el tests
 PYTHONPATH=$PWD timeout 40 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_launch.py tests/test_routed_moe.py \
   2>&1 | tail -4 | tee "$OUT/tests.log"

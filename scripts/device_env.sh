@@ -1,0 +1,7 @@
+# Sourced by the device scripts after they set OUT: `el NAME` prints the seconds since the script began, and
+# $OUT/env.txt gets the GPU, its driver and clocks, torch and triton, the commit (MOELAB_COMMIT: the device's copy
+# of the tree has no .git) and the CPU count.
+T0=$(date +%s); el() { echo "--- $1 at $(( $(date +%s) - T0 )) s"; }
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import torch,triton;print('torch',torch.__version__,'triton',triton.__version__)"
+  echo "commit ${MOELAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; nproc; } 2>&1 | tee "$OUT/env.txt"
