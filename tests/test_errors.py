@@ -20,10 +20,17 @@ import moelab
 from moelab import _checks, _runtime, reference
 
 E, K, H, I = 4, 2, 32, 8  # 2I != H: a transposed w13 has another shape
+#: Where a "triton" case runs: the CUDA GPU when there is one (the CPU interpreter is moelab's only where no GPU is).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def weights(dtype=torch.float32):
-    return random_experts(E, H, I, dtype)
+def device_of(backend: str) -> str:
+    """The device of a case's tensors: the torch backend's on the CPU, the triton backend's on TRITON_DEVICE."""
+    return TRITON_DEVICE if backend.startswith("triton") else "cpu"
+
+
+def weights(dtype=torch.float32, device="cpu"):
+    return random_experts(E, H, I, dtype, device=device)
 
 
 def adapter(r=2, E_=E, seed=0):
@@ -33,16 +40,16 @@ def adapter(r=2, E_=E, seed=0):
             "down_a": torch.randn(E_, r, I, generator=g), "down_b": torch.randn(E_, H, r, generator=g)}
 
 
-def bank_with(slots=(0,), L=2, dtype=torch.float32, max_rank=4):
-    bank = moelab.LoRABank(L, E, H, I, max_rank, dtype=dtype)
+def bank_with(slots=(0,), L=2, dtype=torch.float32, max_rank=4, device="cpu"):
+    bank = moelab.LoRABank(L, E, H, I, max_rank, dtype=dtype, device=device)
     for s in slots:
         bank.set(s, **adapter(seed=s), scaling=0.5)
     return bank
 
 
-def routing(T=3, seed=0):
+def routing(T=3, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return random_weights(T, K, generator=g), random_topk_ids(T, K, E, generator=g)
+    return random_weights(T, K, generator=g).to(device), random_topk_ids(T, K, E, generator=g).to(device)
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -122,22 +129,23 @@ def test_lora_experts_rejects_bad_sizes_at_construction(kwargs, error, match):
 @pytest.mark.parametrize("backend", ["torch", "triton", "triton/flow"])
 def test_lora_ids_naming_an_empty_slot_raises_in_validate_mode(backend):
     name, _, mode = backend.partition("/")
-    w13, w2 = weights()
-    bank = bank_with(slots=(1,), L=3)  # slot 1 set; 0 and 2 empty
+    dev = device_of(backend)
+    w13, w2 = weights(device=dev)
+    bank = bank_with(slots=(1,), L=3, device=dev)  # slot 1 set; 0 and 2 empty
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend=name, lora=bank,
                                  fused=False if mode else None)
-    w, ids = routing()
-    x = torch.randn(3, H)
+    w, ids = routing(device=dev)
+    x = torch.randn(3, H, device=dev)
     for lora_ids in ([1, 0, -1], [2, 2, 2]):
         with pytest.raises(ValueError, match=r"lora_ids: slots \[(0|2)\] hold no adapter \(bank\.ranks = \[0, 2, 0"):
-            experts(x, w, ids, torch.tensor(lora_ids))
+            experts(x, w, ids, torch.tensor(lora_ids, device=dev))
     # unvalidated (CUDA graphs), an empty slot adds exactly nothing: the base output
-    got = experts(x, w, ids, torch.tensor([0, 0, 2]), validate=False)
+    got = experts(x, w, ids, torch.tensor([0, 0, 2], device=dev), validate=False)
     base = experts(x, w, ids, None)
     assert torch.equal(got, base)
     # a set slot still works, against the float64 reference
-    got = experts(x, w, ids, torch.tensor([1, -1, 1]))
-    ref = reference.lora_experts(x, w, ids, torch.tensor([1, -1, 1]), w13, w2, bank)["output"]
+    got = experts(x, w, ids, torch.tensor([1, -1, 1], device=dev))
+    ref = reference.lora_experts(x, w, ids, torch.tensor([1, -1, 1], device=dev), w13, w2, bank)["output"]
     assert_close_to_reference(got, ref, torch.float32, backend)
 
 
@@ -195,17 +203,18 @@ def test_range_messages_print_the_bound_that_exists():
 @pytest.mark.parametrize("backend", ["torch", "triton", "triton/flow"])
 def test_non_contiguous_hidden_states_same_result_on_every_path(backend):
     name, _, mode = backend.partition("/")
-    w13, w2 = weights()
-    bank = bank_with()
+    dev = device_of(backend)
+    w13, w2 = weights(device=dev)
+    bank = bank_with(device=dev)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend=name, lora=bank,
                                  fused=False if mode else None)
-    w, ids = routing(T=4)
-    x = torch.randn(H, 4).t()  # strided view [4, H]
+    w, ids = routing(T=4, device=dev)
+    x = torch.randn(H, 4, device=dev).t()  # strided view [4, H]
     assert not x.is_contiguous()
-    for lora_ids in (None, torch.tensor([-1, -1, -1, -1]), torch.tensor([0, -1, 0, -1])):
+    for lora_ids in (None, torch.tensor([-1, -1, -1, -1], device=dev), torch.tensor([0, -1, 0, -1], device=dev)):
         got = experts(x, w, ids, lora_ids)
         assert torch.equal(got, experts(x.contiguous(), w, ids, lora_ids)), f"{backend} {lora_ids}"
-    ref = reference.lora_experts(x, w, ids, torch.tensor([0, -1, 0, -1]), w13, w2, bank)["output"]
+    ref = reference.lora_experts(x, w, ids, torch.tensor([0, -1, 0, -1], device=dev), w13, w2, bank)["output"]
     assert_close_to_reference(got, ref, torch.float32, backend)
 
 
@@ -213,13 +222,14 @@ def test_non_contiguous_hidden_states_same_result_on_every_path(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_int64_ids_beyond_int32_rejected_before_the_cast(backend):
-    mw = moelab.prepare_weights(*weights(), backend=backend)
-    x = torch.randn(2, H)
-    ids = torch.tensor([[0, 2**32 + 1], [2, 3]], dtype=torch.int64)  # 2**32 + 1 would wrap to expert 1
+    dev = device_of(backend)
+    mw = moelab.prepare_weights(*weights(device=dev), backend=backend)
+    x = torch.randn(2, H, device=dev)
+    ids = torch.tensor([[0, 2**32 + 1], [2, 3]], dtype=torch.int64, device=dev)  # 2**32 + 1 would wrap to expert 1
     with pytest.raises(ValueError, match=r"topk \(expert ids\): expected expert ids in \[0, 4\), got 4294967297"):
-        moelab.routed_moe((ids, torch.rand(2, K)), x, mw, num_experts=E, top_k=K)
+        moelab.routed_moe((ids, torch.rand(2, K, device=dev)), x, mw, num_experts=E, top_k=K)
     with pytest.raises(ValueError, match="expected expert ids in"):
-        moelab.pack_topk_ids_weights(ids, torch.rand(2, K))
+        moelab.pack_topk_ids_weights(ids, torch.rand(2, K, device=dev))
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -244,19 +254,20 @@ def test_tuple_routing_takes_the_fast_path_and_is_still_checked(bad, match):
 
 # ---------------------------------------------------------------------------------------------- finalize
 
-def _finalize_inputs(T=3, R=8):
-    gemm2 = torch.randn(R, H)
-    e2p = torch.tensor([0, 1, 2, -1, 5, 4], dtype=torch.int32)[: T * K]
-    return gemm2, torch.rand(T, K), e2p, torch.randn(T, K, H)
+def _finalize_inputs(T=3, R=8, device="cpu"):
+    gemm2 = torch.randn(R, H, device=device)
+    e2p = torch.tensor([0, 1, 2, -1, 5, 4], dtype=torch.int32, device=device)[: T * K]
+    return gemm2, torch.rand(T, K, device=device), e2p, torch.randn(T, K, H, device=device)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_finalize_output_overlapping_an_input_is_refused(use_triton):
-    gemm2, w, e2p, delta = _finalize_inputs()
+    dev = TRITON_DEVICE if use_triton else "cpu"
+    gemm2, w, e2p, delta = _finalize_inputs(device=dev)
     for overlap in (gemm2[:3], gemm2[2:5], delta.view(-1, H)[:3]):
         with pytest.raises(ValueError, match=r"^output: shares memory with (gemm2_output|w2_delta).*pass a separate"):
             moelab.finalize_with_w2_lora(overlap, gemm2, w, e2p, delta, use_triton=use_triton)
-    out = torch.full((3, H), float("nan"))  # separate memory: the reference's result
+    out = torch.full((3, H), float("nan"), device=dev)  # separate memory: the reference's result
     moelab.finalize_with_w2_lora(out, gemm2, w, e2p, delta, use_triton=use_triton)
     ref = reference.finalize_with_w2_lora(gemm2, w, e2p, delta)
     assert_close_to_reference(out, ref, torch.float32, "finalize")
