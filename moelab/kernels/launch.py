@@ -14,7 +14,10 @@ each parameter its type and: a tensor's dtype and address modulo 16 (Triton spec
 int, bool, string or constexpr's value; a float's value only for a constexpr (Triton passes the others as fp32 at
 run time). What it cannot key (a callable grid, an unhashable argument, a missing parameter or one given twice,
 pre-run hooks, ``warmup``) goes through Triton's ``run``, which also raises the errors. ``MOELAB_FAST_LAUNCH=0``
-sends every launch through ``run``.
+sends every launch through ``run``. ``kernel[grid]`` with a tuple grid goes straight to that lookup (Triton's own
+``__getitem__`` would hand the ~40 keywords of a GEMM launch through one more call): on a CPU with Triton stubbed
+(``scripts/host_cost.py``) an eager T = 1 ``routed_moe`` call's host cost fell from 87-99 to 68-79 µs with it and
+the getters of the signature's tensors and values.
 
 The same in Triton 3.6 (the H200's) and 3.9 (read in both sources): ``JITFunction.run`` returns the launched
 ``CompiledKernel``, and ``CompiledKernel.__getitem__(grid)`` launches it with the full argument list (constexprs
@@ -23,6 +26,7 @@ included).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import os
@@ -48,9 +52,23 @@ class CachedLaunchJIT(JITFunction):
         self._launch_layout = _Layout(self)
         self._launch_kernels: dict[tuple, object] = {}  # signature -> CompiledKernel
 
+    def __getitem__(self, grid):
+        """``kernel[grid]``: a tuple grid calls :meth:`_launch` directly (Triton's ``lambda`` would pass the ~40
+        keywords of a GEMM launch through one more call, to :meth:`run`); a callable grid takes Triton's path."""
+        if isinstance(grid, tuple):
+            return functools.partial(self._launch, grid)
+        return super().__getitem__(grid)
+
     def run(self, *args, grid, warmup, **kwargs):
-        if warmup or not FAST_LAUNCH or self.pre_run_hooks or not isinstance(grid, tuple):
+        if warmup or not isinstance(grid, tuple):
             return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+        return self._launch(grid, *args, **kwargs)
+
+    def _launch(self, grid: tuple, *args, **kwargs):
+        """``run(*args, grid=grid, warmup=False, **kwargs)``: the compiled kernel of a seen signature launched
+        directly, anything else through Triton's own ``run``."""
+        if not FAST_LAUNCH or self.pre_run_hooks:
+            return JITFunction.run(self, *args, grid=grid, warmup=False, **kwargs)
         layout, kernels = self._launch_layout, self._launch_kernels
         values, options = layout.bind(args, kwargs)
         key = None if values is None else layout.signature(values, options)
@@ -59,7 +77,7 @@ class CachedLaunchJIT(JITFunction):
         except TypeError:  # an unhashable argument: Triton's dispatch decides
             key = kernel = None
         if kernel is None:
-            kernel = super().run(*args, grid=grid, warmup=False, **kwargs)
+            kernel = JITFunction.run(self, *args, grid=grid, warmup=False, **kwargs)
             if key is not None and kernel is not None:
                 if len(kernels) >= MAX_SIGNATURES:
                     kernels.clear()
@@ -122,16 +140,16 @@ class _Layout:
             plan = self.plans[types] = self._plan(types, self.serial)
         if not plan:
             return None
-        types_id, tensor_pos, keyed_pos = plan
-        tensors = [values[i] for i in tensor_pos]
+        types_id, tensors_of, keyed_of = plan
+        tensors = tensors_of(values)
         # types (by their plan's number) tell 1 from True and 1.0; ints, bools, strings, constexprs by value; floats
         # that are not constexprs by type only; tensors by dtype and address modulo 16 (Triton's alignment)
-        return (current_device(), options, types_id, tuple(map(values.__getitem__, keyed_pos)),
-                tuple(map(_dtype, tensors)), tuple(map(_mod16, map(torch.Tensor.data_ptr, tensors))))
+        return (current_device(), options, types_id, keyed_of(values), tuple(map(_dtype, tensors)),
+                tuple(map(_mod16, map(_data_ptr, tensors))))
 
     def _plan(self, types: tuple, serial: int) -> tuple:
-        """(``serial``, tensor positions, positions keyed by value) for arguments of these types; () when one is
-        missing."""
+        """(``serial``, a getter of the tensors, a getter of the values keyed by value) for arguments of these
+        types; () when one is missing."""
         tensors, keyed = [], []
         for i, (kind, constexpr) in enumerate(zip(types, self.constexpr)):
             if kind is object:  # _MISSING: Triton's own run raises the TypeError for it
@@ -140,10 +158,11 @@ class _Layout:
                 tensors.append(i)
             elif kind is not float or constexpr:
                 keyed.append(i)
-        return serial, tuple(tensors), tuple(keyed)
+        return serial, _getter(tensors), _getter(keyed)
 
 
 _dtype = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
 _mod16 = (15).__and__
 
 
