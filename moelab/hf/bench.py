@@ -207,14 +207,13 @@ def _record(model, ids, device, timer: ExpertsTimer, **forward_kwargs):
 def replaced_forwards(modules, forwards):
     """Inside the block, each of ``modules`` runs its function of ``forwards`` as its forward (an instance
     attribute: hooks still fire); on exit, even by an exception, every module's forward is what it was."""
-    pairs = dict(zip(modules, forwards))  # a module listed twice: saved once, so its own forward comes back
-    saved = {m: m.__dict__.get("forward") for m in pairs}
+    saved = [(m, m.__dict__.get("forward")) for m in modules]  # all before any is replaced
     try:
-        for m, fn in pairs.items():
+        for m, fn in zip(modules, forwards, strict=True):
             m.forward = fn
         yield
     finally:
-        for m, old in saved.items():
+        for m, old in saved:
             m.__dict__.pop("forward", None)
             if old is not None:
                 m.forward = old
