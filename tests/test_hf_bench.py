@@ -12,6 +12,8 @@ pytest.importorskip("peft")
 
 
 def test_bench_tiny(tmp_path, capsys):
+    import torch
+
     from moelab.hf import bench
 
     out = tmp_path / "rows.json"
@@ -28,14 +30,17 @@ def test_bench_tiny(tmp_path, capsys):
     assert all(moelab_row[f"{k}_ms"] > 0 and moelab_row[f"host_{k}_ms"] > 0 for k in sides), moelab_row
     assert float(moelab_row["experts/layer"]) == pytest.approx(moelab_row["experts_ms"] / moelab_row["layer_ms"],
                                                                abs=0.01)
-    assert moelab_row["graph_mode"] == "not timed" and all(  # no CUDA graphs on a CPU
-        math.isnan(moelab_row[f"graph_{k}_ms"]) for k in ("fwd", "stub", "layer", "experts")), moelab_row
+    graph_ms = [moelab_row[f"graph_{k}_ms"] for k in ("fwd", "stub", "layer")]
+    if torch.cuda.is_available():
+        assert moelab_row["graph_mode"] == "graph" and all(v > 0 for v in graph_ms), moelab_row
+    else:  # no CUDA graphs on a CPU
+        assert moelab_row["graph_mode"] == "not timed" and all(math.isnan(v) for v in graph_ms), moelab_row
     assert any("tokens_per_s" in r for r in rows)
     printed = capsys.readouterr()
     assert "| moelab |" in printed.out and "| eager experts/layer |" in printed.out
     assert "| graph: fwd - fwd with stand-in experts, ms |" in printed.out and "graph experts/layer" in printed.out
     assert "# experts share T=3: experts in the forward" in printed.err
-    assert "# experts share T=3, timed as moelab.bench (not timed): forward nan ms" in printed.err
+    assert f"# experts share T=3, timed as moelab.bench ({moelab_row['graph_mode']}): forward " in printed.err
     assert "# profile moelab T=3" in printed.err and "# profile grouped_mm T=3" in printed.err
 
 
@@ -126,7 +131,7 @@ def test_graph_share_runs_each_side_once_on_a_cpu_and_the_stand_in_does_no_exper
     assert calls["tuple"] == 2 * 2 + 2  # the warm and the recorded forward, then fwd; the stand-in forward: none
     assert calls["packed"] == 2  # the layer side: one call per layer
     assert all(math.isnan(share[k]) for k in (*bench.GRAPH_SIDES, "experts", "fwd_rel_err")), share
-    assert share["mode"] == "not timed" and share["error"] == "" and share["host_syncs"] == []
+    assert share["mode"] == "not timed" and share["error"] == ""
     assert [m.__dict__.get("forward") for m in _experts_modules(model)] == forwards
     with torch.no_grad():
         assert torch.equal(model(other).logits, before)
@@ -192,9 +197,10 @@ def test_graph_share_default_is_the_layer_benchmarks_graph_limit():
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="CUDA graphs need a GPU")
 def test_graph_share_captures_the_forward_on_a_gpu():
-    """On a GPU the three sides are captured and replayed (nothing in the forward syncs the host), the replayed
-    forward's logits are the eager forward's, the stand-in forward is faster than the real one; above graph_max_t
-    the sides are timed eagerly."""
+    """On a GPU the three sides are captured and replayed (nothing in the forward syncs the host: a capture fails
+    on a sync), the replayed forward's logits are the eager forward's (bf16: transformers builds its causal mask
+    under capture, SDPA may pick another kernel), the stand-in forward is faster than the real one; above
+    graph_max_t the sides are timed eagerly."""
     import math
 
     import torch
@@ -205,9 +211,9 @@ def test_graph_share_captures_the_forward_on_a_gpu():
     forwards = [m.__dict__.get("forward") for m in _experts_modules(model)]
     ids = torch.randint(3, 100, (1, 16), device="cuda")
     share = bench.graph_share(model, ids, torch.device("cuda"), graph_max_t=1024)
-    assert share["mode"] == "graph" and share["error"] == "" and share["host_syncs"] == [], share
+    assert share["mode"] == "graph" and share["error"] == "", share
     assert all(share[k] > 0 for k in bench.GRAPH_SIDES), share
-    assert share["fwd"] > share["stub"] and share["fwd_rel_err"] < 1e-3, share
+    assert share["fwd"] > share["stub"] and share["fwd_rel_err"] < 3e-2, share
     eager = bench.graph_share(model, ids, torch.device("cuda"), graph_max_t=8)
     assert eager["mode"] == "eager" and eager["error"] == "" and math.isnan(eager["fwd_rel_err"]), eager
     assert all(eager[k] > 0 for k in bench.GRAPH_SIDES), eager

@@ -304,17 +304,19 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     the work both forwards share (router, top-k) cancels; ``experts / layer`` is then the integration's cost on
     the device alone, as the layer benchmark measures at this T. Median over ``rounds`` interleaved rounds.
 
-    Returns seconds for the sides and ``experts``, NaN where not measured (on a CPU, where each side still runs
-    once untimed; no experts module call seen; a failed capture); ``mode`` ("graph", "eager" or "not timed"),
-    ``error`` (why a side was not measured, "" if none), ``host_syncs`` (synchronising CUDA calls of one eager
-    call of each side under torch's sync debug mode: ``file:line`` of each; a capture fails on one) and
-    ``fwd_rel_err`` (the fwd graph's replayed logits against an eager forward's, NaN when not replayed).
+    A capture fails on any host sync inside it, so a side captured is a side that does not sync. (transformers
+    skips its own host-syncing packed-sequence check of ``position_ids`` while a stream is captured and builds
+    the causal mask instead: fwd and stub both take that path.) Returns seconds for the sides and ``experts``, NaN
+    where not measured (on a CPU, where each side still runs once untimed; no experts module call seen; a failed
+    capture: its traceback goes to stderr); ``mode`` ("graph", "eager" or "not timed"), ``error`` (why a side was
+    not measured, "" if none) and ``fwd_rel_err`` (the fwd graph's replayed logits against an eager forward's, NaN
+    when not replayed).
     """
     from moelab.lab import rel_err
     from moelab.roofline import median_us
 
     out = dict.fromkeys(GRAPH_SIDES + ("experts", "fwd_rel_err"), math.nan)
-    out.update(mode="not timed", error="", host_syncs=[])
+    out.update(mode="not timed", error="")
     timer = ExpertsTimer(model)
     try:
         recorded, _, layer_fns = _record(model, ids, device, timer, use_cache=False)
@@ -344,7 +346,6 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
         out["mode"] = "graph" if ids.numel() <= graph_max_t else "eager"
         timed, errors = {}, []
         for name, fn in sides.items():
-            out["host_syncs"] += [f"{name}: {where}" for where in _host_syncs(fn)]
             try:
                 timed[name] = _graphed(fn, device) if out["mode"] == "graph" else fn
             except Exception as e:  # noqa: BLE001 - one side that cannot be captured must not lose the bench
@@ -383,18 +384,6 @@ def _graphed(fn, device):
     return replay
 
 
-def _host_syncs(fn) -> list[str]:
-    """``file:line`` of every synchronising CUDA call that one call of ``fn`` makes (torch's sync debug mode)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
-
-
 def _reason(e: BaseException) -> str:
     """The first line of ``e`` and of the exceptions it was raised during (a failed capture's first error is
     raised again as a capture error at the block's end)."""
@@ -420,9 +409,7 @@ def _share_line(T, share: dict[str, float], graph: dict | None = None) -> str:
     line += (f"\n# experts share T={T}, timed as moelab.bench ({graph['mode']}): forward {g['fwd']:.3g} ms, forward "
              f"with stand-in experts {g['stub']:.3g} ms, experts (the difference) {g['experts']:.3g} ms, layer calls "
              f"alone {g['layer']:.3g} ms; {graph['mode']} experts/layer {g['experts'] / g['layer']:.2f}; replayed "
-             f"logits vs eager {graph['fwd_rel_err']:.1e}; host syncs {len(graph['host_syncs'])}")
-    for where in graph["host_syncs"]:
-        line += f"\n#   host sync: {where}"
+             f"logits vs eager {graph['fwd_rel_err']:.1e}")
     if graph["error"]:
         line += f"\n#   not measured: {graph['error']}"
     return line
@@ -504,8 +491,8 @@ def run(args) -> list[dict]:
                     row["experts/layer"] = f"{share['experts'] / share['layer']:.2f}"
                     row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_SIDES + ("experts",)})
                     row["graph_experts/layer"] = f"{graph['experts'] / graph['layer']:.2f}"
-                    row.update(graph_mode=graph["mode"], graph_host_syncs=len(graph["host_syncs"]),
-                               graph_fwd_rel_err=graph["fwd_rel_err"], graph_error=graph["error"])
+                    row.update(graph_mode=graph["mode"], graph_fwd_rel_err=graph["fwd_rel_err"],
+                               graph_error=graph["error"])
                     print(_share_line(T, share, graph), file=sys.stderr)
             rows.append(row)
     if args.profile:
