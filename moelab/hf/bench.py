@@ -20,24 +20,30 @@ layer benchmark's call (``moelab.routed_moe`` on packed routing words, ``validat
 integration's overhead; the target is <= 1.10); ``fwd_layer_ms`` is the same forward with each experts call replaced
 by that layer call, so ``experts_ms / fwd_layer_ms`` is moelab.hf's own code path and ``fwd_layer_ms / layer_ms``
 what running inside a forward costs any call (see :func:`experts_share`; stderr adds the experts module calls alone
-and the host times). Then greedy ``generate()`` tokens/s. Every
-side is stamped alike: the device is synchronised before each call's start event, so each call is timed from an
-empty queue (its host launch time included on every side, no earlier work queued in front of it on any), and the
-sides are measured in interleaved rounds. Every forward is timed under ``torch.no_grad()`` (inference). Every
-moelab row is checked against HF (logits relative error). Prints a Markdown table; ``--json`` writes the rows;
-``--profile T`` adds torch.profiler's top ops of one moelab and one grouped_mm forward at T, by device time and (on
-a GPU) by host time: the diagnosis of a gap.
+and the host times). Those are eager, each call stamped alone: at small T they measure host launch time. The
+``graph_*`` keys time the share as the layer benchmark times its call (:func:`graph_share`): a CUDA-graph replay
+at T <= ``--graph-max-t`` (moelab.bench's, 1024), eager above, of the whole forward, of the same forward with
+stand-in experts that do no work (``graph_experts_ms`` is the difference) and of the layer calls alone
+(``graph_layer_ms``); ``graph_experts/layer`` is the issue's measure on the device alone. Then greedy
+``generate()`` tokens/s. Every eager side is stamped alike: the device is synchronised before each call's start
+event, so each call is timed from an empty queue (its host launch time included on every side, no earlier work
+queued in front of it on any), and the sides are measured in interleaved rounds. Every forward is timed under
+``torch.no_grad()`` (inference). Every moelab row is checked against HF (logits relative error). Prints a Markdown
+table; ``--json`` writes the rows; ``--profile T`` adds torch.profiler's top ops of one moelab and one grouped_mm
+forward at T, by device time and (on a GPU) by host time: the diagnosis of a gap.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -166,6 +172,59 @@ def _routing_args(args, kwargs):
 SHARE_SIDES = ("experts", "fwd_layer", "module", "layer")
 
 
+def _record(model, ids, device, timer: ExpertsTimer, **forward_kwargs):
+    """The experts module calls of one no-grad forward (after a warm one), stamped by ``timer``:
+    ``[(module, (x, top_k_index, top_k_weights))]``, each call's layer benchmark arguments ``(packed, x, weights,
+    E, K)`` and that call as a closure taking any arguments (a module forward's stand-in)."""
+    from moelab.hf.experts import experts_spec, module_weights
+    from moelab.moe import routed_moe
+    from moelab.packing import pack_topk_ids_weights
+
+    with torch.no_grad():
+        model(ids, **forward_kwargs)  # warm
+        timer.calls, timer.enabled = [], True
+        model(ids, **forward_kwargs)
+        _sync(device)
+        timer.enabled = False
+    recorded = [(m, _routing_args(a, k)) for m, a, k, *_ in timer.calls]
+    layer_calls = []
+    for module, (x, top_k_index, top_k_weights) in recorded:
+        layer = module.__dict__.get("_moelab_layer")
+        spec = experts_spec(module)
+        weights = module_weights(module, spec, layer.backend if layer is not None else "auto")
+        if top_k_weights.shape[-1] != top_k_index.shape[-1]:
+            top_k_weights = top_k_weights.gather(1, top_k_index.long())
+        packed = pack_topk_ids_weights(top_k_index, top_k_weights, validate=False)
+        layer_calls.append((packed, x.contiguous(), weights, spec.num_experts, top_k_index.shape[1]))
+
+    def layer_forward(packed, x, weights, E, K):
+        return lambda *args, **kwargs: routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)[0]
+
+    return recorded, layer_calls, [layer_forward(*call) for call in layer_calls]
+
+
+@contextlib.contextmanager
+def replaced_forwards(modules, forwards):
+    """Inside the block, each of ``modules`` runs its function of ``forwards`` as its forward (an instance
+    attribute: hooks still fire); on exit, even by an exception, every module's forward is what it was."""
+    saved = [(m, m.__dict__.get("forward")) for m in modules]  # all before any is replaced
+    try:
+        for m, fn in zip(modules, forwards, strict=True):
+            m.forward = fn
+        yield
+    finally:
+        for m, old in saved:
+            m.__dict__.pop("forward", None)
+            if old is not None:
+                m.forward = old
+
+
+def stand_in_experts(hidden_states, *args, **kwargs):
+    """An experts forward that does no expert work: its input back (the experts' output has the input's shape,
+    dtype and device: they map H to H), with no kernel and no allocation."""
+    return hidden_states
+
+
 def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
     """The experts' share of one forward against the layer benchmark's call, medians over ``rounds`` (seconds).
 
@@ -186,48 +245,16 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
     time from each call's start to its return, on every device). NaN where no experts module call is seen
     (ModuleList experts and Llama-4's are called by the block directly: no module hooks fire).
     """
-    from moelab.hf.experts import experts_spec, module_weights
-    from moelab.moe import routed_moe
-    from moelab.packing import pack_topk_ids_weights
-
     keys = SHARE_SIDES + tuple(f"host_{k}" for k in SHARE_SIDES)
     timer = ExpertsTimer(model)
-    with torch.no_grad():
-        model(ids)  # warm
-        timer.calls, timer.enabled = [], True
-        model(ids)
-        _sync(device)
-        timer.enabled = False
-    recorded = [(m, _routing_args(a, k)) for m, a, k, *_ in timer.calls]
+    recorded, layer_calls, layer_fns = _record(model, ids, device, timer)
     if not recorded:
         timer.remove()
         return dict.fromkeys(keys, math.nan)
-    layer_calls = []
-    for module, (x, top_k_index, top_k_weights) in recorded:
-        layer = module.__dict__.get("_moelab_layer")
-        spec = experts_spec(module)
-        weights = module_weights(module, spec, layer.backend if layer is not None else "auto")
-        if top_k_weights.shape[-1] != top_k_index.shape[-1]:
-            top_k_weights = top_k_weights.gather(1, top_k_index.long())
-        packed = pack_topk_ids_weights(top_k_index, top_k_weights, validate=False)
-        layer_calls.append((packed, x.contiguous(), weights, spec.num_experts, top_k_index.shape[1]))
-
-    def layer_forward(packed, x, weights, E, K):
-        return lambda *args, **kwargs: routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)[0]
-
-    layer_fns = [layer_forward(*call) for call in layer_calls]  # each module's call, as the layer benchmark makes it
 
     def forward_with_layer_calls():  # each module runs the layer call it got in the recorded forward
-        saved = [m.__dict__.get("forward") for m, _ in recorded]
-        try:
-            for (m, _), fn in zip(recorded, layer_fns):
-                m.forward = fn
+        with replaced_forwards([m for m, _ in recorded], layer_fns):
             model(ids)
-        finally:
-            for (m, _), old in zip(recorded, saved):
-                m.__dict__.pop("forward", None)
-                if old is not None:
-                    m.forward = old
 
     times = {k: [] for k in keys}
     with torch.no_grad():
@@ -257,14 +284,135 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _share_line(T, share: dict[str, float]) -> str:
-    """One stderr line of :func:`experts_share`'s numbers (ms), device and host time."""
+GRAPH_SIDES = ("fwd", "stub", "layer")
+
+
+def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3) -> dict:
+    """The experts' share of the moelab forward timed the way ``python -m moelab.bench`` times its call, against
+    that call: ``moelab.roofline.median_us`` (``do_bench``: CUDA events around each call, L2 flushed before it) of a
+    CUDA-graph replay at T <= ``graph_max_t`` (that benchmark's ``--graph-max-t``; captured after a warm-up on a
+    side stream), of the eager call above. Three sides, each one call of the whole:
+
+        fwd    one forward of ``model`` (``use_cache=False``, no grad), moelab's experts
+        stub   the same forward with every experts module's forward replaced by :func:`stand_in_experts` (no
+               kernel, its input back): attention, router and top-k, shared expert and LM head run as in fwd
+        layer  the layer benchmark's calls of every layer back to back (``routed_moe`` on routing words packed
+               beforehand, ``validate=False``, the module's converted weights, the inputs the recorded forward gave)
+
+    ``experts = fwd - stub`` is what the experts calls add to the forward: moelab.hf's own work there (routing
+    hand-over, packing) counts, and so do the kernels' effects on their neighbours (L2, launch overlap), while
+    the work both forwards share (router, top-k) cancels; ``experts / layer`` is then the integration's cost on
+    the device alone, as the layer benchmark measures at this T. Median over ``rounds`` interleaved rounds.
+
+    A capture fails on any host sync inside it, so a side captured is a side that does not sync. (transformers
+    skips its own host-syncing packed-sequence check of ``position_ids`` while a stream is captured and builds
+    the causal mask instead: fwd and stub both take that path.) Returns seconds for the sides and ``experts``, NaN
+    where not measured (on a CPU, where each side still runs once untimed; no experts module call seen; a failed
+    capture: its traceback goes to stderr); ``mode`` ("graph", "eager" or "not timed"), ``error`` (why a side was
+    not measured, "" if none) and ``fwd_rel_err`` (the fwd graph's replayed logits against an eager forward's, NaN
+    when not replayed).
+    """
+    from moelab.lab import rel_err
+    from moelab.roofline import median_us
+
+    out = dict.fromkeys(GRAPH_SIDES + ("experts", "fwd_rel_err"), math.nan)
+    out.update(mode="not timed", error="")
+    timer = ExpertsTimer(model)
+    try:
+        recorded, _, layer_fns = _record(model, ids, device, timer, use_cache=False)
+    finally:
+        timer.remove()  # no hook (a host sync) left in what is captured
+    if not recorded:
+        out["error"] = "no experts module call seen (the block calls moelab directly)"
+        return out
+    modules = [m for m, _ in recorded]
+
+    def fwd():
+        return model(ids, use_cache=False).logits
+
+    def stub():
+        with replaced_forwards(modules, [stand_in_experts] * len(modules)):
+            return model(ids, use_cache=False).logits
+
+    def layer():
+        return [fn() for fn in layer_fns]
+
+    sides = dict(fwd=fwd, stub=stub, layer=layer)
+    with torch.no_grad():
+        if device.type != "cuda":
+            for fn in sides.values():  # the paths run (a test counts their calls); CPU times are not the GPU's
+                fn()
+            return out
+        out["mode"] = "graph" if ids.numel() <= graph_max_t else "eager"
+        timed, errors = {}, []
+        for name, fn in sides.items():
+            try:
+                timed[name] = _graphed(fn, device) if out["mode"] == "graph" else fn
+            except Exception as e:  # noqa: BLE001 - one side that cannot be captured must not lose the bench
+                errors.append(f"{name}: {_reason(e)}")
+                traceback.print_exc(file=sys.stderr)
+        out["error"] = "; ".join(errors)
+        if "fwd" in timed and out["mode"] == "graph":
+            timed["fwd"]()
+            out["fwd_rel_err"] = rel_err(timed["fwd"].out, fwd())
+        times = {name: [] for name in timed}
+        for _ in range(rounds):
+            for name, fn in timed.items():
+                times[name].append(median_us(fn, device) / 1e6)
+    out.update({name: statistics.median(v) for name, v in times.items()})
+    out["experts"] = out["fwd"] - out["stub"]
+    return out
+
+
+def _graphed(fn, device):
+    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream: a function that replays it (its
+    captured output at ``.out``)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+
+    def replay():
+        graph.replay()
+
+    replay.out = captured
+    return replay
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of ``e`` and of the exceptions it was raised during (a failed capture's first error is
+    raised again as a capture error at the block's end)."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        parts.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        e = e.__context__
+    return " <- ".join(parts)
+
+
+def _share_line(T, share: dict[str, float], graph: dict | None = None) -> str:
+    """The stderr lines of :func:`experts_share`'s numbers (ms, device and host time) and, when given,
+    :func:`graph_share`'s."""
     ms = {k: v * 1e3 for k, v in share.items()}
     names = dict(experts="experts in the forward", fwd_layer="layer calls in the forward",
                  module="experts module calls alone", layer="layer calls alone")
     sides = ", ".join(f"{names[k]} {ms[k]:.3g} ms (host {ms['host_' + k]:.3g})" for k in SHARE_SIDES)
-    return (f"# experts share T={T}: {sides}; experts/fwd_layer {ms['experts'] / ms['fwd_layer']:.2f} (moelab.hf's "
+    line = (f"# experts share T={T}: {sides}; experts/fwd_layer {ms['experts'] / ms['fwd_layer']:.2f} (moelab.hf's "
             f"path), fwd_layer/layer {ms['fwd_layer'] / ms['layer']:.2f} (the forward's context)")
+    if graph is None:
+        return line
+    g = {k: graph[k] * 1e3 for k in GRAPH_SIDES + ("experts",)}
+    line += (f"\n# experts share T={T}, timed as moelab.bench ({graph['mode']}): forward {g['fwd']:.3g} ms, forward "
+             f"with stand-in experts {g['stub']:.3g} ms, experts (the difference) {g['experts']:.3g} ms, layer calls "
+             f"alone {g['layer']:.3g} ms; {graph['mode']} experts/layer {g['experts'] / g['layer']:.2f}; replayed "
+             f"logits vs eager {graph['fwd_rel_err']:.1e}")
+    if graph["error"]:
+        line += f"\n#   not measured: {graph['error']}"
+    return line
 
 
 def generate_tokens_per_s(model, prompt, new_tokens: int, device) -> float:
@@ -337,10 +485,15 @@ def run(args) -> list[dict]:
                 row["rel_err_vs"] = f"{rel_err(logits, truth[ref_name]):.1e} vs {ref_name}"
             if name == "moelab":
                 share = experts_share(model, ids, device, rounds=max(2 * args.iters, 10))
+                graph = graph_share(model, ids, device, graph_max_t=args.graph_max_t)
                 if not math.isnan(share["experts"]):
                     row.update({f"{k}_ms": v * 1e3 for k, v in share.items()})
                     row["experts/layer"] = f"{share['experts'] / share['layer']:.2f}"
-                    print(_share_line(T, share), file=sys.stderr)
+                    row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_SIDES + ("experts",)})
+                    row["graph_experts/layer"] = f"{graph['experts'] / graph['layer']:.2f}"
+                    row.update(graph_mode=graph["mode"], graph_fwd_rel_err=graph["fwd_rel_err"],
+                               graph_error=graph["error"])
+                    print(_share_line(T, share, graph), file=sys.stderr)
             rows.append(row)
     if args.profile:
         profile_forward({k: models[k] for k in ("grouped_mm", "moelab") if k in models}, args.profile, base, device)
@@ -378,12 +531,21 @@ def profile_forward(models: dict, T: int, base, device, top: int = 15) -> None:
                                                                             row_limit=top), file=sys.stderr)
 
 
+#: The table's columns: row key -> header. "eager": :func:`experts_share` (each experts call stamped alone, host
+#: time included); "graph": :func:`graph_share` (whole forwards as moelab.bench times its call: a CUDA-graph replay
+#: at T <= --graph-max-t, eager above, the "timed as" column).
+COLUMNS = {"shape": "shape", "layers": "layers", "T": "T", "impl": "impl", "ms": "ms",
+           "experts_ms": "eager: experts in fwd, ms", "fwd_layer_ms": "eager: layer calls in fwd, ms",
+           "layer_ms": "eager: layer calls alone, ms", "experts/layer": "eager experts/layer",
+           "graph_mode": "graph: timed as", "graph_experts_ms": "graph: fwd - fwd with stand-in experts, ms",
+           "graph_layer_ms": "graph: layer calls alone, ms", "graph_experts/layer": "graph experts/layer",
+           "tokens_per_s": "tokens_per_s", "rel_err_vs": "rel_err_vs"}
+
+
 def markdown(rows: list[dict]) -> str:
     from moelab.lab import markdown_table
 
-    keys = ["shape", "layers", "T", "impl", "ms", "experts_ms", "fwd_layer_ms", "layer_ms", "experts/layer",
-            "tokens_per_s", "rel_err_vs"]
-    return markdown_table([{k: row.get(k, "") for k in keys} for row in rows])
+    return markdown_table([{head: row.get(k, "") for k, head in COLUMNS.items()} for row in rows])
 
 
 def main(argv=None) -> int:
@@ -399,6 +561,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--iters", type=int, default=None, help="timed calls per row, median (10; --tiny 2)")
     parser.add_argument("--eager-max-tokens", type=int, default=1024, help="skip the (slow) eager loop above this T")
+    parser.add_argument("--graph-max-t", type=int, default=None, help="graph sides of the experts' share as CUDA-graph "
+                        "replays for T <= this, eager above (default: python -m moelab.bench's, 1024)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on any device (a smoke run)")
     parser.add_argument("--json", default=None, help="write the rows here")
@@ -414,6 +578,10 @@ def main(argv=None) -> int:
     args.layers = args.layers or (2 if args.shape == "gpt-oss-20b" else 4 if args.shape != "tiny" else 2)
     args.dtype = args.dtype or ("bf16" if torch.cuda.is_available() and not args.tiny else "fp32")
     args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    if args.graph_max_t is None:
+        from moelab.bench.cli import build_parser
+
+        args.graph_max_t = build_parser().get_default("graph_max_t")
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
