@@ -140,6 +140,27 @@ def median_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: floa
     return statistics.median(times) * 1e6
 
 
+def graphed(fn: Callable[[], object], device: torch.device, *, capture_error_mode: str = "global"):
+    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream (as ``torch.cuda.graph`` asks): a
+    function of no arguments that replays it, its captured output at ``.out``. ``capture_error_mode``: that of
+    ``torch.cuda.graph`` ("thread_local" where another thread polls CUDA events meanwhile, e.g. NCCL's watchdog)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+        captured = fn()
+
+    def replay():
+        graph.replay()
+
+    replay.out = captured
+    return replay
+
+
 def _time_copy(n_elem: int, device: torch.device) -> float:
     src = torch.rand(n_elem, dtype=torch.float32, device=device)  # random, never zeros
     dst = torch.empty_like(src)

@@ -50,7 +50,6 @@ def test_experts_share_times_each_side_on_the_same_calls(monkeypatch):
     model's own experts forward is back afterwards (the same logits on other tokens)."""
     import torch
 
-    from moelab import moe
     from moelab.hf import bench
     from moelab.hf.tiny import tiny_causal_lm
 
@@ -59,15 +58,7 @@ def test_experts_share_times_each_side_on_the_same_calls(monkeypatch):
     ids, other = torch.randint(3, 100, (2, 1, 3), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(other).logits
-    calls = {"packed": 0, "tuple": 0}
-    real = moe.routed_moe
-
-    def counting(topk, *args, **kwargs):
-        calls["tuple" if isinstance(topk, tuple) else "packed"] += 1
-        return real(topk, *args, **kwargs)
-
-    monkeypatch.setattr(moe, "routed_moe", counting)
-    monkeypatch.setattr("moelab.hf.experts.routed_moe", counting)
+    calls = _counting_routed_moe(monkeypatch)
     rounds = 3
     share = bench.experts_share(model, ids, torch.device("cpu"), rounds=rounds)
     assert calls["packed"] == (rounds + 1) * 2 * 2  # fwd_layer and layer, 2 layers, every round (+1 warm)

@@ -25,6 +25,7 @@ Prints a Markdown table (rank 0) and, with ``--json PATH``, writes the rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -32,7 +33,12 @@ import time
 
 import torch
 
+from moelab.roofline import graphed
+
 __all__ = ["main", "run_rank", "QWEN3_30B_A3B"]
+
+#: A call captured in a CUDA graph (NCCL's watchdog thread polls events meanwhile: thread-local capture errors).
+_graphed = functools.partial(graphed, capture_error_mode="thread_local")
 
 #: Qwen3-30B-A3B's MoE layer: 128 experts, top-8, hidden 2048, expert intermediate 768.
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
@@ -52,20 +58,6 @@ def _routing(T, E, K, skew, generator, device):
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _graphed(call, device):
-    """``call`` captured in a CUDA graph (after a warm-up on a side stream): a function that replays it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the NCCL watchdog thread polls events
-        call()
-    return graph.replay
 
 
 def _median_time(call, iters, warmup, group, device):

@@ -313,7 +313,7 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     when not replayed).
     """
     from moelab.lab import rel_err
-    from moelab.roofline import median_us
+    from moelab.roofline import graphed, median_us
 
     out = dict.fromkeys(GRAPH_SIDES + ("experts", "fwd_rel_err"), math.nan)
     out.update(mode="not timed", error="")
@@ -347,7 +347,7 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
         timed, errors = {}, []
         for name, fn in sides.items():
             try:
-                timed[name] = _graphed(fn, device) if out["mode"] == "graph" else fn
+                timed[name] = graphed(fn, device) if out["mode"] == "graph" else fn
             except Exception as e:  # noqa: BLE001 - one side that cannot be captured must not lose the bench
                 errors.append(f"{name}: {_reason(e)}")
                 traceback.print_exc(file=sys.stderr)
@@ -362,26 +362,6 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     out.update({name: statistics.median(v) for name, v in times.items()})
     out["experts"] = out["fwd"] - out["stub"]
     return out
-
-
-def _graphed(fn, device):
-    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream: a function that replays it (its
-    captured output at ``.out``)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
-
-    def replay():
-        graph.replay()
-
-    replay.out = captured
-    return replay
 
 
 def _reason(e: BaseException) -> str:
