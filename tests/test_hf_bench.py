@@ -209,3 +209,30 @@ def test_graph_share_captures_the_forward_on_a_gpu():
     assert eager["mode"] == "eager" and eager["error"] == "" and math.isnan(eager["fwd_rel_err"]), eager
     assert all(eager[k] > 0 for k in bench.GRAPH_SIDES), eager
     assert [m.__dict__.get("forward") for m in _experts_modules(model)] == forwards
+
+
+def test_graph_share_gives_the_forward_its_own_attention_masks(monkeypatch):
+    """GPT-OSS (sliding and full attention layers): layer_masks records each layer type's mask from an eager
+    forward, and graph_share's forwards take them (so no mask is built under a capture) only because they give the
+    model's own logits bit for bit; masks that do not (the two types swapped) are not used."""
+    import torch
+
+    from moelab.hf import bench
+    from moelab.hf.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("gpt_oss")
+    moelab.patch_model(model, backend="torch")
+    T = 2 * model.config.sliding_window  # longer than the window: the two types' masks differ
+    ids = torch.randint(3, 100, (1, T), generator=torch.Generator().manual_seed(2))
+    masks = bench.layer_masks(model, ids)
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert not torch.equal(masks["sliding_attention"], masks["full_attention"])
+    kwargs = bench._forward_kwargs(model, ids)
+    assert kwargs["attention_mask"] is not None and kwargs["use_cache"] is False
+    with torch.no_grad():
+        assert torch.equal(model(ids, **kwargs).logits, model(ids, use_cache=False).logits)
+    assert bench.graph_share(model, ids, torch.device("cpu"))["masks"] == "given"
+    swapped = {"sliding_attention": masks["full_attention"], "full_attention": masks["sliding_attention"]}
+    monkeypatch.setattr(bench, "layer_masks", lambda model, ids: swapped)
+    assert "attention_mask" not in bench._forward_kwargs(model, ids)
+    assert bench.graph_share(model, ids, torch.device("cpu"))["masks"] == "built by the forward"

@@ -287,6 +287,53 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
 GRAPH_SIDES = ("fwd", "stub", "layer")
 
 
+def layer_masks(model, ids) -> dict | None:
+    """``{layer type: the attention mask the model built for it}`` from one eager forward of ``ids`` (no grad,
+    ``use_cache=False``), recorded at its decoder layers, for a model whose config lists ``layer_types``; None
+    otherwise. transformers' models take such a mapping as ``attention_mask`` and then build no mask inside the
+    forward, so a CUDA-graph capture never sees the mask code (transformers 5.17 builds GPT-OSS's eager mask with a
+    host-to-device copy, which a capture refuses)."""
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    layers = None
+    if types:
+        layers = next((m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)
+                       and name.split(".")[-1] == "layers" and len(m) == len(types)), None)
+    if layers is None:
+        return None
+    seen = {}
+
+    def recorder(layer_type):
+        def hook(module, args, kwargs):
+            seen.setdefault(layer_type, kwargs.get("attention_mask"))
+        return hook
+
+    handles = [layer.register_forward_pre_hook(recorder(t), with_kwargs=True) for layer, t in zip(layers, types)]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen if len(seen) == len(set(types)) else None
+
+
+def _forward_kwargs(model, ids) -> dict:
+    """The keywords of graph_share's forwards: ``use_cache=False``, and the masks of :func:`layer_masks` where the
+    model takes them and its logits with them are bit for bit its own (else the model builds its masks)."""
+    kwargs = dict(use_cache=False)
+    masks = layer_masks(model, ids)
+    if masks is not None:
+        with torch.no_grad():
+            own = model(ids, use_cache=False).logits
+            try:
+                same = torch.equal(model(ids, use_cache=False, attention_mask=masks).logits, own)
+            except Exception:  # noqa: BLE001 - a model that takes no mapping builds its own masks
+                same = False
+        if same:
+            kwargs["attention_mask"] = masks
+    return kwargs
+
+
 def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3) -> dict:
     """The experts' share of the moelab forward timed the way ``python -m moelab.bench`` times its call, against
     that call: ``moelab.roofline.median_us`` (``do_bench``: CUDA events around each call, L2 flushed before it) of a
@@ -304,13 +351,15 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     the work both forwards share (router, top-k) cancels; ``experts / layer`` is then the integration's cost on
     the device alone, as the layer benchmark measures at this T. Median over ``rounds`` interleaved rounds.
 
-    A capture fails on any host sync inside it, so a side captured is a side that does not sync. (transformers
-    skips its own host-syncing packed-sequence check of ``position_ids`` while a stream is captured and builds
-    the causal mask instead: fwd and stub both take that path.) Returns seconds for the sides and ``experts``, NaN
+    A capture fails on any host sync inside it, so a side captured is a side that does not sync. Where the model
+    takes them, both forwards get the attention masks of one eager forward (:func:`layer_masks`, used only when the
+    logits with them are bit for bit the model's own), so no mask is built under capture; else transformers builds
+    them, and while a stream is captured it skips its host-syncing packed-sequence check of ``position_ids`` and
+    builds an explicit causal mask (fwd and stub alike). Returns seconds for the sides and ``experts``, NaN
     where not measured (on a CPU, where each side still runs once untimed; no experts module call seen; a failed
-    capture: its traceback goes to stderr); ``mode`` ("graph", "eager" or "not timed"), ``error`` (why a side was
-    not measured, "" if none) and ``fwd_rel_err`` (the fwd graph's replayed logits against an eager forward's, NaN
-    when not replayed).
+    capture: its traceback goes to stderr); ``mode`` ("graph", "eager" or "not timed"), ``masks`` ("given" or
+    "built by the forward"), ``error`` (why a side was not measured, "" if none) and ``fwd_rel_err`` (the fwd
+    graph's replayed logits against an eager forward's, NaN when not replayed).
     """
     from moelab.lab import rel_err
     from moelab.roofline import graphed, median_us
@@ -326,13 +375,15 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
         out["error"] = "no experts module call seen (the block calls moelab directly)"
         return out
     modules = [m for m, _ in recorded]
+    kwargs = _forward_kwargs(model, ids)
+    out["masks"] = "given" if "attention_mask" in kwargs else "built by the forward"
 
     def fwd():
-        return model(ids, use_cache=False).logits
+        return model(ids, **kwargs).logits
 
     def stub():
         with replaced_forwards(modules, [stand_in_experts] * len(modules)):
-            return model(ids, use_cache=False).logits
+            return model(ids, **kwargs).logits
 
     def layer():
         return [fn() for fn in layer_fns]
@@ -389,7 +440,7 @@ def _share_line(T, share: dict[str, float], graph: dict | None = None) -> str:
     line += (f"\n# experts share T={T}, timed as moelab.bench ({graph['mode']}): forward {g['fwd']:.3g} ms, forward "
              f"with stand-in experts {g['stub']:.3g} ms, experts (the difference) {g['experts']:.3g} ms, layer calls "
              f"alone {g['layer']:.3g} ms; {graph['mode']} experts/layer {g['experts'] / g['layer']:.2f}; replayed "
-             f"logits vs eager {graph['fwd_rel_err']:.1e}")
+             f"logits vs eager {graph['fwd_rel_err']:.1e}; attention masks {graph.get('masks', 'n/a')}")
     if graph["error"]:
         line += f"\n#   not measured: {graph['error']}"
     return line
@@ -472,7 +523,7 @@ def run(args) -> list[dict]:
                     row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_SIDES + ("experts",)})
                     row["graph_experts/layer"] = f"{graph['experts'] / graph['layer']:.2f}"
                     row.update(graph_mode=graph["mode"], graph_fwd_rel_err=graph["fwd_rel_err"],
-                               graph_error=graph["error"])
+                               graph_masks=graph.get("masks", ""), graph_error=graph["error"])
                     print(_share_line(T, share, graph), file=sys.stderr)
             rows.append(row)
     if args.profile:
