@@ -151,7 +151,10 @@ def graphed(fn: Callable[[], object], device: torch.device, *, capture_error_mod
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+    # the outer stream context puts the caller's stream back even when the capture's end raises (a host sync in
+    # ``fn``), which torch.cuda.graph's own exit then skips
+    with torch.cuda.stream(torch.cuda.current_stream(device)), torch.cuda.graph(
+            graph, capture_error_mode=capture_error_mode):
         captured = fn()
 
     def replay():

@@ -49,7 +49,9 @@ def _instrument():
     except ImportError:
         pass
     for cls in classes:
-        run = cls.__dict__["run"]
+        # CachedLaunchJIT's entry where the tree has it (``kernel[grid]`` reaches ``_launch``, not ``run``)
+        name = "_launch" if "_launch" in cls.__dict__ else "run"
+        run = cls.__dict__[name]
 
         def timed_run(self, *args, _run=run, **kwargs):
             events.append(("jit>", self.fn.__name__, clock()))
@@ -57,8 +59,8 @@ def _instrument():
             events.append(("jit<", self.fn.__name__, clock()))
             return out
 
-        cls.run = timed_run
-        patched.append((cls, "run", run))
+        setattr(cls, name, timed_run)
+        patched.append((cls, name, run))
     try:
         from triton.backends.nvidia.driver import CudaLauncher
     except ImportError:

@@ -231,8 +231,43 @@ def test_graph_share_gives_the_forward_its_own_attention_masks(monkeypatch):
     assert kwargs["attention_mask"] is not None and kwargs["use_cache"] is False
     with torch.no_grad():
         assert torch.equal(model(ids, **kwargs).logits, model(ids, use_cache=False).logits)
-    assert bench.graph_share(model, ids, torch.device("cpu"))["masks"] == "given"
+    layers, types = model.model.layers, model.config.layer_types
+    given = []  # (layer type, the mask that layer got) in graph_share's forwards
+
+    def seen(layer_type):
+        return lambda module, args, kw: given.append((layer_type, kw.get("attention_mask")))
+
+    handles = [layer.register_forward_pre_hook(seen(t), with_kwargs=True) for layer, t in zip(layers, types)]
+    real_layer_masks = bench.layer_masks
+    monkeypatch.setattr(bench, "layer_masks", lambda model, ids: masks)  # these very tensors, to follow them
+    try:
+        got = bench.graph_share(model, ids, torch.device("cpu"))
+    finally:
+        for h in handles:
+            h.remove()
+        monkeypatch.setattr(bench, "layer_masks", real_layer_masks)
+    assert got["masks"] == "given"
+    # the last two forwards are fwd's and stub's: every layer of both got the recorded mask of its type (the very
+    # tensor: a mask the forward built itself would be equal, not the same)
+    last = given[-2 * len(layers):]
+    assert len(last) == 2 * len(layers) and all(mask is masks[layer_type] for layer_type, mask in last), last
     swapped = {"sliding_attention": masks["full_attention"], "full_attention": masks["sliding_attention"]}
     monkeypatch.setattr(bench, "layer_masks", lambda model, ids: swapped)
     assert "attention_mask" not in bench._forward_kwargs(model, ids)
     assert bench.graph_share(model, ids, torch.device("cpu"))["masks"] == "built by the forward"
+
+
+def test_a_failing_graph_share_does_not_lose_the_run(tmp_path, monkeypatch, capsys):
+    """graph_share raising (say, a capture that leaves CUDA in a bad state) costs its own keys only: the run goes on,
+    the row carries the reason, the JSON is written."""
+    from moelab.hf import bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture went wrong")
+
+    monkeypatch.setattr(bench, "graph_share", broken)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--tiny", "--tokens", "3", "--iters", "1", "--generate", "0", "--json", str(out)]) == 0
+    row = next(r for r in json.loads(out.read_text()) if r["impl"] == "moelab")
+    assert row["graph_error"] == "graph_share: RuntimeError: capture went wrong" and row["experts_ms"] > 0, row
+    assert "RuntimeError: capture went wrong" in capsys.readouterr().err

@@ -64,6 +64,18 @@ def test_same_signature_launches_the_compiled_kernel_directly(fake_triton):
     assert args[0] is x2 and args[1] is y2 and args[2:] == (32, 2.0, True, 16, False)  # defaults filled in, in order
 
 
+def test_run_with_a_tuple_grid_shares_the_cached_launch(fake_triton):
+    """``kernel.run(..., grid=..., warmup=False)`` (how Triton's autotuner and heuristics launch a kernel) takes
+    the same cached launch as ``kernel[grid](...)``: a signature seen by either is launched directly by both."""
+    kernel, calls, compiled = fake_triton
+    x, y = _tensors()
+    kernel.run(x, y, 32, 0.5, FLAG=True, grid=(2,), warmup=False)
+    assert len(calls) == 1 and compiled[0].launches == []
+    kernel[(2,)](x, y, 32, 0.5, FLAG=True)
+    kernel.run(x, y, 32, 0.5, FLAG=True, grid=(2,), warmup=False)
+    assert len(calls) == 1 and [g for g, _ in compiled[0].launches] == [(2, 1, 1)] * 2
+
+
 @pytest.mark.parametrize("change", [
     "int", "int 1 -> True", "dtype", "misaligned", "constexpr", "constexpr default", "option", "new option", "device",
 ])

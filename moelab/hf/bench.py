@@ -516,7 +516,12 @@ def run(args) -> list[dict]:
                 row["rel_err_vs"] = f"{rel_err(logits, truth[ref_name]):.1e} vs {ref_name}"
             if name == "moelab":
                 share = experts_share(model, ids, device, rounds=max(2 * args.iters, 10))
-                graph = graph_share(model, ids, device, graph_max_t=args.graph_max_t)
+                try:
+                    graph = graph_share(model, ids, device, graph_max_t=args.graph_max_t)
+                except Exception as e:  # noqa: BLE001 - the rest of the run (and its JSON) must not be lost
+                    traceback.print_exc(file=sys.stderr)
+                    graph = dict.fromkeys(GRAPH_SIDES + ("experts", "fwd_rel_err"), math.nan)
+                    graph.update(mode="not timed", masks="", error=f"graph_share: {_reason(e)}")
                 if not math.isnan(share["experts"]):
                     row.update({f"{k}_ms": v * 1e3 for k, v in share.items()})
                     row["experts/layer"] = f"{share['experts'] / share['layer']:.2f}"

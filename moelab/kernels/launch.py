@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import operator
 import os
 
@@ -99,7 +100,7 @@ class _Layout:
         self.constexpr = [p.is_constexpr for p in params]
         self.binders: dict[tuple, tuple] = {}  # (number of positional arguments, keywords) -> getters
         self.plans: dict[tuple, tuple] = {}  # argument types -> (number, tensor positions, positions keyed by value)
-        self.serial = 0
+        self.serial = itertools.count(1)  # a number per type pattern ever seen (next() is atomic under the GIL)
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple | None, tuple]:
         """(every parameter's value in order, the launch options as (name, value) sorted by name); values None when
@@ -136,8 +137,7 @@ class _Layout:
         if plan is None:
             if len(self.plans) >= MAX_SIGNATURES:
                 self.plans.clear()
-            self.serial += 1  # a number per type pattern ever seen: never reused, even after a clear
-            plan = self.plans[types] = self._plan(types, self.serial)
+            plan = self.plans[types] = self._plan(types, next(self.serial))  # never reused, even after a clear
         if not plan:
             return None
         types_id, tensors_of, keyed_of = plan
