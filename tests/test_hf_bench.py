@@ -85,12 +85,12 @@ def _counting_routed_moe(monkeypatch):
     return calls
 
 
-def _patched_tiny(device="cpu", dtype=None, backend="torch"):
+def _patched_tiny(device="cpu", dtype=None, backend="torch", family="qwen3_moe"):
     import torch
 
     from moelab.hf.tiny import tiny_causal_lm
 
-    model = tiny_causal_lm("qwen3_moe", dtype=dtype or torch.float32).to(device)  # 2 MoE layers
+    model = tiny_causal_lm(family, dtype=dtype or torch.float32).to(device)  # 2 MoE layers
     moelab.patch_model(model, backend=backend)
     return model
 
@@ -271,3 +271,18 @@ def test_a_failing_graph_share_does_not_lose_the_run(tmp_path, monkeypatch, caps
     row = next(r for r in json.loads(out.read_text()) if r["impl"] == "moelab")
     assert row["graph_error"] == "graph_share: RuntimeError: capture went wrong" and row["experts_ms"] > 0, row
     assert "RuntimeError: capture went wrong" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="CUDA graphs need a GPU")
+def test_graph_share_captures_gpt_oss_with_its_masks_given_on_a_gpu():
+    """GPT-OSS (sliding and full attention) is captured with the masks of an eager forward given (transformers 5.17
+    builds its eager mask with a host copy that a capture refuses) and its replay is the eager forward's."""
+    import torch
+
+    from moelab.hf import bench
+
+    model = _patched_tiny("cuda", torch.bfloat16, backend="auto", family="gpt_oss")
+    ids = torch.randint(3, 100, (1, 2 * model.config.sliding_window), device="cuda")
+    share = bench.graph_share(model, ids, torch.device("cuda"), graph_max_t=1024)
+    assert share["masks"] == "given" and share["mode"] == "graph" and share["error"] == "", share
+    assert all(share[k] > 0 for k in bench.GRAPH_SIDES) and share["fwd_rel_err"] < 1e-3, share
