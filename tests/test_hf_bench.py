@@ -102,9 +102,10 @@ def _experts_modules(model):
 
 
 def test_graph_share_runs_each_side_once_on_a_cpu_and_the_stand_in_does_no_expert_work(monkeypatch):
-    """Off CUDA graph_share times nothing (NaN) but runs its three sides once: the real forward (moelab.hf's
-    experts path in each layer), the stand-in forward (no experts call at all) and the layer calls (one packed call
-    per layer); every experts module has its own forward back afterwards."""
+    """Off CUDA graph_share times nothing (NaN) but runs its four sides once: the real forward (moelab.hf's
+    experts path in each layer), the stand-in forward (no experts call at all), the forward with the layer calls in
+    place of the experts and the layer calls alone (one packed call per layer each); every experts module has its
+    own forward back afterwards."""
     import math
 
     import torch
@@ -120,8 +121,8 @@ def test_graph_share_runs_each_side_once_on_a_cpu_and_the_stand_in_does_no_exper
     calls = _counting_routed_moe(monkeypatch)
     share = bench.graph_share(model, ids, torch.device("cpu"))
     assert calls["tuple"] == 2 * 2 + 2  # the warm and the recorded forward, then fwd; the stand-in forward: none
-    assert calls["packed"] == 2  # the layer side: one call per layer
-    assert all(math.isnan(share[k]) for k in (*bench.GRAPH_SIDES, "experts", "fwd_rel_err")), share
+    assert calls["packed"] == 2 + 2  # fwd_layer and the layer side: one call per layer each
+    assert all(math.isnan(share[k]) for k in (*bench.GRAPH_SIDES, "experts", "layer_in_fwd", "fwd_rel_err")), share
     assert share["mode"] == "not timed" and share["error"] == ""
     assert [m.__dict__.get("forward") for m in _experts_modules(model)] == forwards
     with torch.no_grad():
@@ -204,7 +205,7 @@ def test_graph_share_captures_the_forward_on_a_gpu():
     share = bench.graph_share(model, ids, torch.device("cuda"), graph_max_t=1024)
     assert share["mode"] == "graph" and share["error"] == "", share
     assert all(share[k] > 0 for k in bench.GRAPH_SIDES), share
-    assert share["fwd"] > share["stub"] and share["fwd_rel_err"] < 3e-2, share
+    assert share["fwd"] > share["stub"] and share["fwd_layer"] > share["stub"] and share["fwd_rel_err"] < 3e-2, share
     eager = bench.graph_share(model, ids, torch.device("cuda"), graph_max_t=8)
     assert eager["mode"] == "eager" and eager["error"] == "" and math.isnan(eager["fwd_rel_err"]), eager
     assert all(eager[k] > 0 for k in bench.GRAPH_SIDES), eager
@@ -247,10 +248,10 @@ def test_graph_share_gives_the_forward_its_own_attention_masks(monkeypatch):
             h.remove()
         monkeypatch.setattr(bench, "layer_masks", real_layer_masks)
     assert got["masks"] == "given"
-    # the last two forwards are fwd's and stub's: every layer of both got the recorded mask of its type (the very
-    # tensor: a mask the forward built itself would be equal, not the same)
-    last = given[-2 * len(layers):]
-    assert len(last) == 2 * len(layers) and all(mask is masks[layer_type] for layer_type, mask in last), last
+    # the last three forwards are fwd's, stub's and fwd_layer's: every layer of each got the recorded mask of its
+    # type (the very tensor: a mask the forward built itself would be equal, not the same)
+    last = given[-3 * len(layers):]
+    assert len(last) == 3 * len(layers) and all(mask is masks[layer_type] for layer_type, mask in last), last
     swapped = {"sliding_attention": masks["full_attention"], "full_attention": masks["sliding_attention"]}
     monkeypatch.setattr(bench, "layer_masks", lambda model, ids: swapped)
     assert "attention_mask" not in bench._forward_kwargs(model, ids)

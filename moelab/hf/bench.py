@@ -284,7 +284,7 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-GRAPH_SIDES = ("fwd", "stub", "layer")
+GRAPH_SIDES = ("fwd", "stub", "fwd_layer", "layer")
 
 
 def layer_masks(model, ids) -> dict | None:
@@ -338,11 +338,13 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     """The experts' share of the moelab forward timed the way ``python -m moelab.bench`` times its call, against
     that call: ``moelab.roofline.median_us`` (``do_bench``: CUDA events around each call, L2 flushed before it) of a
     CUDA-graph replay at T <= ``graph_max_t`` (that benchmark's ``--graph-max-t``; captured after a warm-up on a
-    side stream), of the eager call above. Three sides, each one call of the whole:
+    side stream), of the eager call above. Four sides, each one call of the whole:
 
         fwd    one forward of ``model`` (``use_cache=False``, no grad), moelab's experts
         stub   the same forward with every experts module's forward replaced by :func:`stand_in_experts` (no
                kernel, its input back): attention, router and top-k, shared expert and LM head run as in fwd
+        fwd_layer  the same forward with every experts module's forward replaced by its layer call (below, on the
+               inputs the recorded forward gave it)
         layer  the layer benchmark's calls of every layer back to back (``routed_moe`` on routing words packed
                beforehand, ``validate=False``, the module's converted weights, the inputs the recorded forward gave)
 
@@ -350,6 +352,9 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     hand-over, packing) counts, and so do the kernels' effects on their neighbours (L2, launch overlap), while
     the work both forwards share (router, top-k) cancels; ``experts / layer`` is then the integration's cost on
     the device alone, as the layer benchmark measures at this T. Median over ``rounds`` interleaved rounds.
+    ``layer_in_fwd = fwd_layer - stub`` is the same difference for the layer call itself, so ``experts /
+    layer_in_fwd`` compares moelab.hf's path with the bare call on equal terms (both differences cancel one
+    replay's fixed cost, the graph launch and the L2 flush's write-back, which the ``layer`` side pays once).
 
     A capture fails on any host sync inside it, so a side captured is a side that does not sync. Where the model
     takes them, both forwards get the attention masks of one eager forward (:func:`layer_masks`, used only when the
@@ -364,7 +369,7 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     from moelab.lab import rel_err
     from moelab.roofline import graphed, median_us
 
-    out = dict.fromkeys(GRAPH_SIDES + ("experts", "fwd_rel_err"), math.nan)
+    out = dict.fromkeys(GRAPH_SIDES + ("experts", "layer_in_fwd", "fwd_rel_err"), math.nan)
     out.update(mode="not timed", error="")
     timer = ExpertsTimer(model)
     try:
@@ -385,10 +390,14 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
         with replaced_forwards(modules, [stand_in_experts] * len(modules)):
             return model(ids, **kwargs).logits
 
+    def fwd_layer():
+        with replaced_forwards(modules, layer_fns):
+            return model(ids, **kwargs).logits
+
     def layer():
         return [fn() for fn in layer_fns]
 
-    sides = dict(fwd=fwd, stub=stub, layer=layer)
+    sides = dict(fwd=fwd, stub=stub, fwd_layer=fwd_layer, layer=layer)
     with torch.no_grad():
         if device.type != "cuda":
             for fn in sides.values():  # the paths run (a test counts their calls); CPU times are not the GPU's
@@ -412,6 +421,7 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
                 times[name].append(median_us(fn, device) / 1e6)
     out.update({name: statistics.median(v) for name, v in times.items()})
     out["experts"] = out["fwd"] - out["stub"]
+    out["layer_in_fwd"] = out["fwd_layer"] - out["stub"]
     return out
 
 
@@ -436,10 +446,12 @@ def _share_line(T, share: dict[str, float], graph: dict | None = None) -> str:
             f"path), fwd_layer/layer {ms['fwd_layer'] / ms['layer']:.2f} (the forward's context)")
     if graph is None:
         return line
-    g = {k: graph[k] * 1e3 for k in GRAPH_SIDES + ("experts",)}
+    g = {k: graph[k] * 1e3 for k in GRAPH_SIDES + ("experts", "layer_in_fwd")}
     line += (f"\n# experts share T={T}, timed as moelab.bench ({graph['mode']}): forward {g['fwd']:.3g} ms, forward "
              f"with stand-in experts {g['stub']:.3g} ms, experts (the difference) {g['experts']:.3g} ms, layer calls "
-             f"alone {g['layer']:.3g} ms; {graph['mode']} experts/layer {g['experts'] / g['layer']:.2f}; replayed "
+             f"alone {g['layer']:.3g} ms, layer calls in the forward (the difference) {g['layer_in_fwd']:.3g} ms; "
+             f"{graph['mode']} experts/layer {g['experts'] / g['layer']:.2f}, experts/layer_in_fwd "
+             f"{g['experts'] / g['layer_in_fwd']:.2f}; replayed "
              f"logits vs eager {graph['fwd_rel_err']:.1e}; attention masks {graph.get('masks', 'n/a')}")
     if graph["error"]:
         line += f"\n#   not measured: {graph['error']}"
@@ -520,13 +532,14 @@ def run(args) -> list[dict]:
                     graph = graph_share(model, ids, device, graph_max_t=args.graph_max_t)
                 except Exception as e:  # noqa: BLE001 - the rest of the run (and its JSON) must not be lost
                     traceback.print_exc(file=sys.stderr)
-                    graph = dict.fromkeys(GRAPH_SIDES + ("experts", "fwd_rel_err"), math.nan)
+                    graph = dict.fromkeys(GRAPH_SIDES + ("experts", "layer_in_fwd", "fwd_rel_err"), math.nan)
                     graph.update(mode="not timed", masks="", error=f"graph_share: {_reason(e)}")
                 if not math.isnan(share["experts"]):
                     row.update({f"{k}_ms": v * 1e3 for k, v in share.items()})
                     row["experts/layer"] = f"{share['experts'] / share['layer']:.2f}"
-                    row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_SIDES + ("experts",)})
+                    row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_SIDES + ("experts", "layer_in_fwd")})
                     row["graph_experts/layer"] = f"{graph['experts'] / graph['layer']:.2f}"
+                    row["graph_experts/layer_in_fwd"] = f"{graph['experts'] / graph['layer_in_fwd']:.2f}"
                     row.update(graph_mode=graph["mode"], graph_fwd_rel_err=graph["fwd_rel_err"],
                                graph_masks=graph.get("masks", ""), graph_error=graph["error"])
                     print(_share_line(T, share, graph), file=sys.stderr)
@@ -575,6 +588,7 @@ COLUMNS = {"shape": "shape", "layers": "layers", "T": "T", "impl": "impl", "ms":
            "layer_ms": "eager: layer calls alone, ms", "experts/layer": "eager experts/layer",
            "graph_mode": "graph: timed as", "graph_experts_ms": "graph: fwd - fwd with stand-in experts, ms",
            "graph_layer_ms": "graph: layer calls alone, ms", "graph_experts/layer": "graph experts/layer",
+           "graph_experts/layer_in_fwd": "graph experts/(fwd with layer calls - stand-in)",
            "tokens_per_s": "tokens_per_s", "rel_err_vs": "rel_err_vs"}
 
 
