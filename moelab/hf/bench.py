@@ -285,6 +285,15 @@ def experts_share(model, ids, device, rounds: int = 10) -> dict[str, float]:
 
 
 GRAPH_SIDES = ("fwd", "stub", "fwd_layer", "layer")
+#: graph_share's times: its sides and the two differences of forwards.
+GRAPH_TIMES = GRAPH_SIDES + ("experts", "layer_in_fwd")
+
+
+def _graph_not_measured(error: str = "") -> dict:
+    """A :func:`graph_share` result with nothing timed (NaN times, mode "not timed"), ``error`` saying why."""
+    out = dict.fromkeys(GRAPH_TIMES + ("fwd_rel_err",), math.nan)
+    out.update(mode="not timed", masks="", error=error)
+    return out
 
 
 def layer_masks(model, ids) -> dict | None:
@@ -369,8 +378,7 @@ def graph_share(model, ids, device, *, graph_max_t: int = 1024, rounds: int = 3)
     from moelab.lab import rel_err
     from moelab.roofline import graphed, median_us
 
-    out = dict.fromkeys(GRAPH_SIDES + ("experts", "layer_in_fwd", "fwd_rel_err"), math.nan)
-    out.update(mode="not timed", error="")
+    out = _graph_not_measured()
     timer = ExpertsTimer(model)
     try:
         recorded, _, layer_fns = _record(model, ids, device, timer, use_cache=False)
@@ -446,13 +454,13 @@ def _share_line(T, share: dict[str, float], graph: dict | None = None) -> str:
             f"path), fwd_layer/layer {ms['fwd_layer'] / ms['layer']:.2f} (the forward's context)")
     if graph is None:
         return line
-    g = {k: graph[k] * 1e3 for k in GRAPH_SIDES + ("experts", "layer_in_fwd")}
+    g = {k: graph[k] * 1e3 for k in GRAPH_TIMES}
     line += (f"\n# experts share T={T}, timed as moelab.bench ({graph['mode']}): forward {g['fwd']:.3g} ms, forward "
              f"with stand-in experts {g['stub']:.3g} ms, experts (the difference) {g['experts']:.3g} ms, layer calls "
              f"alone {g['layer']:.3g} ms, layer calls in the forward (the difference) {g['layer_in_fwd']:.3g} ms; "
              f"{graph['mode']} experts/layer {g['experts'] / g['layer']:.2f}, experts/layer_in_fwd "
              f"{g['experts'] / g['layer_in_fwd']:.2f}; replayed "
-             f"logits vs eager {graph['fwd_rel_err']:.1e}; attention masks {graph.get('masks', 'n/a')}")
+             f"logits vs eager {graph['fwd_rel_err']:.1e}; attention masks {graph['masks'] or 'n/a'}")
     if graph["error"]:
         line += f"\n#   not measured: {graph['error']}"
     return line
@@ -532,16 +540,15 @@ def run(args) -> list[dict]:
                     graph = graph_share(model, ids, device, graph_max_t=args.graph_max_t)
                 except Exception as e:  # noqa: BLE001 - the rest of the run (and its JSON) must not be lost
                     traceback.print_exc(file=sys.stderr)
-                    graph = dict.fromkeys(GRAPH_SIDES + ("experts", "layer_in_fwd", "fwd_rel_err"), math.nan)
-                    graph.update(mode="not timed", masks="", error=f"graph_share: {_reason(e)}")
+                    graph = _graph_not_measured(f"graph_share: {_reason(e)}")
                 if not math.isnan(share["experts"]):
                     row.update({f"{k}_ms": v * 1e3 for k, v in share.items()})
                     row["experts/layer"] = f"{share['experts'] / share['layer']:.2f}"
-                    row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_SIDES + ("experts", "layer_in_fwd")})
+                    row.update({f"graph_{k}_ms": graph[k] * 1e3 for k in GRAPH_TIMES})
                     row["graph_experts/layer"] = f"{graph['experts'] / graph['layer']:.2f}"
                     row["graph_experts/layer_in_fwd"] = f"{graph['experts'] / graph['layer_in_fwd']:.2f}"
                     row.update(graph_mode=graph["mode"], graph_fwd_rel_err=graph["fwd_rel_err"],
-                               graph_masks=graph.get("masks", ""), graph_error=graph["error"])
+                               graph_masks=graph["masks"], graph_error=graph["error"])
                     print(_share_line(T, share, graph), file=sys.stderr)
             rows.append(row)
     if args.profile:

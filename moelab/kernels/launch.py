@@ -99,7 +99,7 @@ class _Layout:
         self.defaults = [_MISSING if p.default is inspect.Parameter.empty else p.default for p in params]
         self.constexpr = [p.is_constexpr for p in params]
         self.binders: dict[tuple, tuple] = {}  # (number of positional arguments, keywords) -> getters
-        self.plans: dict[tuple, tuple] = {}  # argument types -> (number, tensor positions, positions keyed by value)
+        self.plans: dict[tuple, tuple] = {}  # argument types -> (number, getter of tensors, getter of keyed values)
         self.serial = itertools.count(1)  # a number per type pattern ever seen (next() is atomic under the GIL)
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple | None, tuple]:
