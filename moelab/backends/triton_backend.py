@@ -11,6 +11,9 @@ This module only orchestrates; each step's launcher lives beside its kernels in 
     GEMM2 + bias                   kernels/moe_gemm.py   gemm2 (+ the LoRA expand)
     finalize                       kernels/finalize.py   finalize_triton
 
+A call of at most ``TOKEN_MAJOR_MAX_SLOTS`` slots that asks for the output only (no delta, no LoRA bank) runs
+``kernels/token_major.py`` instead: GEMM1 by slot and GEMM2 with the top-k combine, two launches.
+
 The tile of the permuted space is the GEMMs' BLOCK_M (``moe_gemm.choose_config``), so a tile never mixes experts.
 While a CUDA graph is captured on Hopper or newer, the kernels are chained by programmatic dependent launch
 (``moelab._runtime.pdl_launch``).
@@ -31,6 +34,7 @@ from moelab.kernels import fused_lora
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import GemmConfig, choose_config, gemm1_swiglu, gemm2
 from moelab.kernels.segments import MAX_CHUNK, build_segments_triton
+from moelab.kernels.token_major import token_major_moe
 from moelab.lora import LoRABank
 from moelab.permutation import max_live_rows
 
@@ -118,12 +122,24 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
+#: Calls of at most this many slots (T*K) that ask for the output only take the two-launch token-major path
+#: (``moelab/kernels/token_major.py``); larger ones, the permuted intermediates (``do_finalize=False``, a delta)
+#: and ``LoRAExperts`` (whose base rows must equal its LoRA path's bit for bit) take the tiled pipeline.
+TOKEN_MAJOR_MAX_SLOTS = 16
+
+
+def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool) -> bool:
+    """Whether :func:`routed_moe` runs ``T`` tokens of ``K`` experts on the token-major path."""
+    return do_finalize and not has_delta and 0 < T * K <= TOKEN_MAJOR_MAX_SLOTS
+
+
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
               config: GemmConfig | None = None, lora: FusedLoRA | None = None,
               round_weights: bool = False, expert: dict | None = None, w13_bias: torch.Tensor | None = None,
-              w2_bias: torch.Tensor | None = None, weight_on_input: bool = False) -> tuple[torch.Tensor, ...]:
+              w2_bias: torch.Tensor | None = None, weight_on_input: bool = False,
+              token_major: bool = False) -> tuple[torch.Tensor, ...]:
     """Segments -> [LoRA shrink] -> GEMM1(+delta, SwiGLU) -> GEMM2 -> finalize. Returns (output, gemm2, e2p, act).
 
     ``routing``: int32 [T, K] packed words when ``expert_weights`` is None (the kernels decode them), else
@@ -133,6 +149,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     terms and is only meant for the finalize. ``expert``: the activation keywords of :func:`moelab.prepare_weights`
     (``activation, gated, swiglu_alpha, swiglu_limit``; None: SwiGLU); ``w13_bias``/``w2_bias`` the GEMMs' biases;
     ``weight_on_input``: each slot's input row is scaled by its weight and the finalize sums unweighted.
+    ``token_major``: where :func:`takes_token_major` says so, run the two-launch path instead (then gemm2, e2p and
+    act come back empty: nothing asked for them).
     """
     packed = expert_weights is None
     if lora is not None and (packed or not round_weights):
@@ -141,6 +159,13 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     expert = expert or {}
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
+    if token_major and lora is None and not round_weights and takes_token_major(T, K, do_finalize, delta is not None):
+        if output is None:
+            output = torch.empty(T, H, dtype=x.dtype, device=x.device)
+        token_major_moe(routing, expert_weights, x, w13, w2, output, local_expert_offset=local_expert_offset,
+                        w13_bias=w13_bias, w2_bias=w2_bias, weight_on_input=weight_on_input,
+                        pdl=_runtime.pdl_launch(x.device), **expert)
+        return output, x.new_empty(0, H), routing.new_empty(0, dtype=torch.int32), x.new_empty(0, I)
     lora_columns = 0
     if lora is not None:  # the operands the GEMM tiles hold across the K loop (the adapter loop: one adapter's)
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
@@ -216,23 +241,26 @@ def _routed_moe_op(routing: torch.Tensor, expert_weights: torch.Tensor | None, h
                    gemm1_lora_delta: torch.Tensor | None, do_finalize: bool, activation: str = "silu",
                    gated: bool = True, swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                   weight_on_input: bool = False) -> list[torch.Tensor]:
+                   weight_on_input: bool = False, token_major: bool = True) -> list[torch.Tensor]:
     """The whole pipeline as one opaque op, so torch.compile traces through it (see :func:`routed_moe`)."""
     expert = dict(activation=activation, gated=gated, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     return list(_pipeline(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
                           gemm1_lora_delta, do_finalize, expert=expert, w13_bias=w13_bias, w2_bias=w2_bias,
-                          weight_on_input=weight_on_input))
+                          weight_on_input=weight_on_input, token_major=token_major))
 
 
 @_routed_moe_op.register_fake
 def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
                      gemm1_lora_delta, do_finalize, activation="silu", gated=True, swiglu_alpha=None,
-                     swiglu_limit=None, w13_bias=None, w2_bias=None, weight_on_input=False):
+                     swiglu_limit=None, w13_bias=None, w2_bias=None, weight_on_input=False, token_major=True):
     T, K = routing.shape
     E_local, H = w13.shape[0], w13.shape[2]
     two_i = w13.shape[1] * (1 if gated else 2)
-    tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
     x = hidden_states
+    if token_major and takes_token_major(T, K, do_finalize, gemm1_lora_delta is not None):
+        return [x.new_empty(T, H), x.new_empty(0, H), routing.new_empty(0, dtype=torch.int32),
+                x.new_empty(0, two_i // 2)]
+    tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
             routing.new_empty(T * K, dtype=torch.int32),
@@ -247,15 +275,17 @@ def _expert_options(W: MoEWeights) -> dict:
     return dict(activation=W.activation, gated=W.gated, swiglu_alpha=W.swiglu_alpha, swiglu_limit=W.swiglu_limit)
 
 
-def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None) -> RoutedMoEResult:
+def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None, token_major: bool = True) -> RoutedMoEResult:
     """Eager calls run the pipeline directly (no dispatcher overhead, ``output`` written in place); under
-    ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``."""
+    ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``. A few slots take the
+    token-major path (:func:`takes_token_major`) unless ``config`` names the tiles or ``token_major`` is False."""
     W = call.weights
     routing = call.packed if call.packed is not None else call.topk_ids
     weights = None if call.packed is not None else call.expert_weights.contiguous()  # the kernel's stride is 1
     args = (routing, weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
             call.num_experts, call.local_expert_offset, call.gemm1_lora_delta, call.do_finalize)
-    options = dict(w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias, weight_on_input=call.apply_router_weight_on_input)
+    options = dict(w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias, weight_on_input=call.apply_router_weight_on_input,
+                   token_major=token_major and config is None)
     if torch.compiler.is_compiling():
         output, gemm2, e2p, act = _routed_moe_op(*args, **_expert_options(W), **options)
         if call.output is not None:
@@ -272,12 +302,13 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     [T,K,H] delta); else, and for the base MoE under ``torch.compile`` (one registered custom op), vLLM's unfused
     flow. The pipeline reads the ids and the caller's weights directly (no packing launches) and weights the base
     term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the packed
-    base path's."""
+    base path's. No path here takes the token-major kernels: every base row comes from the same tiled GEMMs."""
+    tiled = functools.partial(routed_moe, token_major=False)
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
-        return lora_flow.lora_experts(call, routed_moe)
+        return lora_flow.lora_experts(call, tiled)
     wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)  # left to the module
     if wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts:
-        return lora_flow.lora_experts(call, routed_moe)  # a wide bank past the adapter loop's crossover
+        return lora_flow.lora_experts(call, tiled)  # a wide bank past the adapter loop's crossover
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights

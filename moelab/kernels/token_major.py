@@ -1,0 +1,208 @@
+"""The routed MoE of a few tokens in two launches: each slot reads its own expert's weights, no permutation.
+
+    gemm1:  act[s]  = activation(x[t] @ W13[e]^T + b13[e])            s = t*K + k, e = the slot's local expert
+    gemm2:  out[t]  = sum_k w[t,k] * bf16(act[t*K+k] @ W2[e]^T + b2[e])   (the top-k combine in GEMM2 itself)
+
+At decode the tiled pipeline (``moelab/backends/triton_backend.py``) runs four dependent launches: segments,
+GEMM1, GEMM2 and the finalize, and every tile of its GEMMs holds one real row of 16. Here the slot's expert id is
+read straight from the routing (packed words or ids), so the segments launch goes, and GEMM2 sums a token's K
+expert rows in its own registers, so the finalize goes too. Both kernels are matrix-vector products on the CUDA
+cores (a row at a time: there is nothing for tensor cores to reuse) that stream the touched experts' weights
+once; GEMM2 loads the K experts' [BLOCK_N, BLOCK_K] weight tiles of one token together, as one
+[K_PAD, BLOCK_N, BLOCK_K] tile, so K times the bytes are in flight per step.
+
+Rounding follows the tiled path: the activation is stored in the input dtype, each expert's GEMM2 row is rounded to
+it before it is weighted (the tiled path stores that row), the weighted sum is fp32 and rounded once. Non-local
+slots (expert-parallel ranks) read nothing and add nothing. Weights stay in HF order (``w13 [E_local, 2I, H]``
+rows [gate; up] or [E_local, I, H] up only, ``w2 [E_local, H, I]``), activations and biases as in
+``moelab/kernels/moe_gemm.py``. :func:`token_major_moe` launches both; the triton backend takes this path for
+``TOKEN_MAJOR_MAX_SLOTS`` slots or fewer when nothing but the output is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from moelab import _runtime
+from moelab.kernels._common import jit, to_output, wait_for_previous_kernel
+from moelab.kernels.moe_gemm import _activation
+from moelab.permutation import cdiv, next_pow2
+
+__all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
+
+
+@dataclass(frozen=True)
+class TokenMajorConfig:
+    """Tiles of the two kernels: GEMM1 programs are (slot, BLOCK_N1 columns of I), GEMM2 programs (token, BLOCK_N2
+    columns of H); each steps over its reduction in BLOCK_K elements."""
+
+    block_n1: int
+    block_k1: int
+    warps1: int
+    block_n2: int
+    block_k2: int
+    warps2: int
+
+
+def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> TokenMajorConfig:
+    """Tiles for ``num_tokens`` tokens of ``top_k`` experts, hidden size ``hidden`` (H), expert size ``inter`` (I).
+    The interpreter takes small tiles (numpy runs each program); on a GPU BLOCK_K is capped at the reduction's
+    power of two, so small test shapes do not mask most of a tile."""
+    if _runtime.INTERPRET:
+        return TokenMajorConfig(16, 32, 1, 16, 32, 1)
+    return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, 16, min(128, next_pow2(inter)), 4)
+
+
+@jit
+def _local_expert(value, offset, num_local_experts, PACKED: tl.constexpr):
+    """(expert, local) of a slot's routing ``value`` (a packed word: the id is its high half; else the id):
+    the local expert index (0 where not local, so addresses stay in range) and whether the slot is this rank's."""
+    if PACKED:
+        value = (value >> 16) & 0xFFFF
+    expert = value - offset
+    local = (expert >= 0) & (expert < num_local_experts)
+    return tl.where(local, expert, 0).to(tl.int64), local
+
+
+@jit
+def _slot_weight(routing_ptr, weights_ptr, slots, mask, PACKED: tl.constexpr):
+    """fp32 routing weights of ``slots`` (``mask``: the slots to read, None: all): a packed word's low half
+    widened exactly, else the caller's weights."""
+    if PACKED:
+        if mask is None:
+            word = tl.load(routing_ptr + slots)
+        else:
+            word = tl.load(routing_ptr + slots, mask=mask, other=0)
+        w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif mask is None:
+        w = tl.load(weights_ptr + slots).to(tl.float32)
+    else:
+        w = tl.load(weights_ptr + slots, mask=mask, other=0.0).to(tl.float32)
+    return w
+
+
+@jit
+def _token_major_gemm1_kernel(
+    x_ptr, w13_ptr, act_ptr, routing_ptr, weights_ptr, bias_ptr,
+    H, I, top_k, num_local_experts, local_expert_offset, stride_x_t, stride_w_e, stride_w_n,
+    PACKED: tl.constexpr, IN_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+    SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """act [T*K, I] row ``slot`` = the activation of GEMM1 (+ bias) of the slot's token and expert, columns
+    ``program_id(1) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never reads them)."""
+    wait_for_previous_kernel(USE_GDC)
+    slot = tl.program_id(0)
+    expert, local = _local_expert(tl.load(routing_ptr + slot), local_expert_offset, num_local_experts, PACKED)
+    if local:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        ks = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + (slot // top_k).to(tl.int64) * stride_x_t + ks
+        gate_ptrs = w13_ptr + expert * stride_w_e + cols.to(tl.int64)[:, None] * stride_w_n + ks[None, :]
+        up_ptrs = gate_ptrs + I * stride_w_n if GATED else gate_ptrs  # rows [gate; up], or up only
+        if IN_WEIGHT:  # the router weight on the input (Llama-4): the expert sees bf16(w * x), as the model rounds it
+            in_weight = _slot_weight(routing_ptr, weights_ptr, slot, None, PACKED)
+        acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = ks + k0 < H
+            a = tl.load(x_row + k0, mask=k_ok, other=0.0)
+            if IN_WEIGHT:
+                a = to_output(a.to(tl.float32) * in_weight, x_ptr.dtype.element_ty)
+            a = a.to(tl.float32)[None, :]
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            acc_up += tl.sum(tl.load(up_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+            if GATED:
+                acc_gate += tl.sum(tl.load(gate_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+        if bias_ptr is not None:  # in w13's row order [gate; up]
+            b_ptrs = bias_ptr + expert * (2 * I if GATED else I) + cols
+            if GATED:
+                acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+                acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
+            else:
+                acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        tl.store(act_ptr + slot.to(tl.int64) * I + cols, to_output(act, act_ptr.dtype.element_ty), mask=col_ok)
+
+
+@jit
+def _token_major_gemm2_kernel(
+    act_ptr, w2_ptr, out_ptr, routing_ptr, weights_ptr, bias_ptr,
+    H, I, top_k, num_local_experts, local_expert_offset, stride_w_e, stride_w_n, stride_out_t,
+    PACKED: tl.constexpr, WEIGHTED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
+    token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
+    weights having gone into the inputs)."""
+    wait_for_previous_kernel(USE_GDC)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    kk = tl.arange(0, K_PAD)
+    slots = t * top_k + kk
+    k_ok = kk < top_k
+    expert, local = _local_expert(tl.load(routing_ptr + slots, mask=k_ok, other=-1), local_expert_offset,
+                                  num_local_experts, PACKED)
+    local = local & k_ok
+    a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * I + ks[None, :]  # [K_PAD, BLOCK_K]
+    w_ptrs = (w2_ptr + expert[:, None, None] * stride_w_e + cols.to(tl.int64)[None, :, None] * stride_w_n
+              + ks[None, None, :])  # [K_PAD, BLOCK_N, BLOCK_K]
+    w_rows_ok = local[:, None, None] & col_ok[None, :, None]
+    acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_K):
+        i_ok = ks + i0 < I
+        a = tl.load(a_ptrs + i0, mask=local[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + i0, mask=w_rows_ok & i_ok[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+    row_ok = local[:, None] & col_ok[None, :]
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + expert[:, None] * H + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
+    if WEIGHTED:
+        y = y * _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)[:, None]
+    out = tl.sum(tl.where(row_ok, y, 0.0), axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out_t + cols, to_output(out, out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, output: torch.Tensor, *, local_expert_offset: int = 0,
+                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    weight_on_input: bool = False, activation: str = "silu", gated: bool = True,
+                    swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+                    config: TokenMajorConfig | None = None, pdl: dict | None = None) -> torch.Tensor:
+    """``output`` [T, H] = the routed MoE of ``x`` [T, H] (unit column stride) in two launches (module docstring).
+
+    ``routing``: contiguous int32 [T, K] packed words when ``expert_weights`` is None, else int ids [T, K] beside
+    contiguous float ``expert_weights`` [T, K]. ``w13`` [E_local, 2I, H] (not ``gated``: [E_local, I, H]) and
+    ``w2`` [E_local, H, I] contiguous; biases contiguous [E_local, 2I or I] and [E_local, H]; the activation
+    keywords as :func:`moelab.kernels.moe_gemm.gemm1_swiglu` takes them. ``weight_on_input``: each slot's input
+    is scaled by its weight and the expert rows summed unweighted. Allocates the [T*K, I] activation only."""
+    T, K = routing.shape
+    E_local, H = w13.shape[0], w13.shape[2]
+    I = w13.shape[1] // (2 if gated else 1)
+    if T == 0:
+        return output
+    cfg = config or choose_token_major_config(T, K, H, I)
+    packed = expert_weights is None
+    weights = routing if packed else expert_weights
+    if activation == "swigluoai" and swiglu_alpha is None:
+        swiglu_alpha = 1.702
+    act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    common = dict(routing_ptr=routing, weights_ptr=weights, top_k=K, num_local_experts=E_local,
+                  local_expert_offset=local_expert_offset, PACKED=packed, **(pdl or {}))
+    _token_major_gemm1_kernel[(T * K, cdiv(I, cfg.block_n1))](
+        x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
+        stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
+        GATED=gated, SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit, BLOCK_N=cfg.block_n1,
+        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, **common)
+    _token_major_gemm2_kernel[(T, cdiv(H, cfg.block_n2))](
+        act_ptr=act, w2_ptr=w2, out_ptr=output, bias_ptr=w2_bias, H=H, I=I, stride_w_e=w2.stride(0),
+        stride_w_n=w2.stride(1), stride_out_t=output.stride(0), WEIGHTED=not weight_on_input, K_PAD=next_pow2(K),
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, **common)
+    return output
