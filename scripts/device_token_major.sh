@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The token-major decode path on one H200, one call of under 8 minutes (each step has its own timeout):
 #   1. its tests and the routed-MoE contract tests on the GPU (compiled kernels, CUDA-graph capture)     <= 150 s
-#   2. scripts/token_major_ab.py: tiled vs token-major, eager and graph, six shapes, T = 1, 2, 4, 8       <= 150 s
-#   3. the same with --sweep at T = 1: each tile candidate of both kernels                               <= 190 s
+#   2. scripts/token_major_ab.py: tiled vs token-major, eager and graph, six shapes, T = 1, 2, 4, 8       <= 130 s
+#   3. the same with --sweep at T = 1, four shapes: each tile candidate of both kernels                  <= 170 s
 # From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_token_major.sh", timeout_s=560).
 # Files: env.txt, tests.log, ab.{md,json}, sweep.{md,json}.
 set -uo pipefail
@@ -16,11 +16,11 @@ COLUMNS=400 timeout -s INT -k 10 "${TEST_S:-150}" python3 -m pytest -q -p no:cac
 echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)" "$OUT/tests.log" | tail -12
 
 el "a/b"
-timeout "${AB_S:-150}" python3 scripts/token_major_ab.py --json "$OUT/ab.json" > "$OUT/ab.md" 2>&1
+timeout "${AB_S:-130}" python3 scripts/token_major_ab.py --json "$OUT/ab.json" > "$OUT/ab.md" 2>&1
 echo "rc=$?"; cat "$OUT/ab.md"
 
 el "sweep"
-timeout "${SWEEP_S:-190}" python3 scripts/token_major_ab.py --tokens 1 --sweep --json "$OUT/sweep.json" \
+timeout "${SWEEP_S:-170}" python3 scripts/token_major_ab.py --tokens 1 --sweep --shape "${SWEEP_SHAPES:-qwen3-30b-a3b,mixtral,gpt-oss-20b,deepseek-v3}" --json "$OUT/sweep.json" \
   > "$OUT/sweep.md" 2>&1
 echo "rc=$?"; cat "$OUT/sweep.md"
 el done

@@ -5,11 +5,12 @@
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed on the
-tiled pipeline (``TOKEN_MAJOR_MAX_SLOTS = 0``) and on the token-major path with its default tiles, each eagerly
-and replayed from a CUDA graph (``moelab.roofline.median_us``: medians of ``triton.testing.do_bench``, L2
-flushed). ``--sweep`` also times the token-major path with each tile candidate below (GEMM1's candidates with
-GEMM2's default, then GEMM2's with GEMM1's default), in graph replays. Every token-major result is checked
-against the tiled output (relative error < 2e-2) before it is timed. Prints a table; ``--json`` writes the rows.
+tiled pipeline (both token-major limits 0), on the token-major path with its default tiles (both limits
+unbounded) and as the defaults choose, each eagerly and replayed from a CUDA graph (``moelab.roofline.median_us``:
+medians of ``triton.testing.do_bench``, L2 flushed). ``--sweep`` also times the token-major path with each tile
+candidate below (GEMM1's candidates with GEMM2's default, then GEMM2's with GEMM1's default), in graph replays.
+Every token-major result is checked against the tiled output (relative error < 2e-2) before it is timed. Prints a
+table; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from moelab.lab import rel_err
 from moelab.roofline import get_shape, graphed, median_us
 
 #: (BLOCK_N, BLOCK_K, num_warps) candidates of GEMM1 (by slot) and GEMM2 (by token, K experts a tile).
-GEMM1_CANDIDATES = [(8, 256, 4), (16, 128, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (32, 128, 4)]
-GEMM2_CANDIDATES = [(8, 128, 4), (16, 64, 4), (16, 128, 4), (16, 256, 8), (32, 64, 4), (32, 128, 8)]
+GEMM1_CANDIDATES = [(16, 256, 4), (8, 512, 8), (16, 512, 8), (8, 1024, 8), (16, 1024, 8), (16, 512, 16),
+                    (32, 512, 8)]
+GEMM2_CANDIDATES = [(16, 128, 8), (16, 256, 8), (8, 256, 8), (8, 512, 8), (16, 512, 8), (16, 256, 16), (32, 256, 8),
+                    (16, 1024, 8)]
 
 
 def _layer(shape, dtype, device, seed=0):
@@ -50,6 +53,11 @@ def _call(packed, x, weights, shape):
     out = torch.empty(x.shape[0], shape.H, dtype=x.dtype, device=x.device)
     return lambda: moelab.routed_moe(packed, x, weights, num_experts=shape.E, top_k=shape.K, output=out,
                                      validate=False)[0]
+
+
+def _force(limit):
+    """Both token-major limits (eager and graph) at ``limit`` slots: 0 forces the tiled pipeline."""
+    triton_backend.TOKEN_MAJOR_MAX_SLOTS = triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = limit
 
 
 def _time(fn, device):
@@ -77,26 +85,27 @@ def main(argv=None):
             i += 1
     rows = []
     print("| shape | T | slots | tiled eager | tiled graph | token-major eager | token-major graph | graph tiled/tm "
-          "| tiles |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| default eager | default graph | tiles |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in shapes:
         weights = _layer(shape, torch.bfloat16, device)
         for T in (int(t) for t in a.tokens.split(",")):
             x, packed = _inputs(shape, T, torch.bfloat16, device)
             call = _call(packed, x, weights, shape)
 
-            saved = triton_backend.TOKEN_MAJOR_MAX_SLOTS
-            triton_backend.TOKEN_MAJOR_MAX_SLOTS = 0
+            saved = triton_backend.TOKEN_MAJOR_MAX_SLOTS, triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH
+            auto = _time(call, device)  # what a user gets: the default limits, eagerly and in a graph
+            _force(0)
             want = call().clone()
             tiled = _time(call, device)
-            triton_backend.TOKEN_MAJOR_MAX_SLOTS = 1 << 30
+            _force(1 << 30)
             default = token_major.choose_token_major_config(T, shape.K, shape.H, shape.I)
             err = rel_err(call(), want)
             assert err < 2e-2, f"{shape.name} T={T}: token-major vs tiled rel err {err:.2e}"
             tm = _time(call, device)
             row = dict(shape=shape.name, E=shape.E, K=shape.K, H=shape.H, I=shape.I, T=T, tiled_eager_us=tiled[0],
-                       tiled_graph_us=tiled[1], tm_eager_us=tm[0], tm_graph_us=tm[1], rel_err=err,
-                       default=dataclasses.asdict(default), sweep=[])
+                       tiled_graph_us=tiled[1], auto_eager_us=auto[0], auto_graph_us=auto[1], tm_eager_us=tm[0],
+                       tm_graph_us=tm[1], rel_err=err, default=dataclasses.asdict(default), sweep=[])
             if a.sweep:
                 original = token_major.choose_token_major_config
                 for which, cands in (("gemm1", GEMM1_CANDIDATES), ("gemm2", GEMM2_CANDIDATES)):
@@ -114,7 +123,7 @@ def main(argv=None):
                         finally:
                             token_major.choose_token_major_config = original
                         row["sweep"].append(dict(which=which, block_n=bn, block_k=bk, warps=nw, graph_us=us))
-            triton_backend.TOKEN_MAJOR_MAX_SLOTS = saved
+            triton_backend.TOKEN_MAJOR_MAX_SLOTS, triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = saved
             rows.append(row)
             best = ""
             if row["sweep"]:
@@ -123,7 +132,7 @@ def main(argv=None):
                     b = min(timed, key=lambda s: s["graph_us"])
                     best += f"{which} best {b['block_n']}x{b['block_k']} w{b['warps']} {b['graph_us']:.1f}; "
             print(f"| {shape.name} | {T} | {T * shape.K} | {tiled[0]:.1f} | {tiled[1]:.1f} | {tm[0]:.1f} | "
-                  f"{tm[1]:.1f} | {tiled[1] / tm[1]:.2f} | {best} |", flush=True)
+                  f"{tm[1]:.1f} | {tiled[1] / tm[1]:.2f} | {auto[0]:.1f} | {auto[1]:.1f} | {best} |", flush=True)
         del weights, call
         torch.cuda.empty_cache()
     if a.json:

@@ -18,6 +18,7 @@ import moelab
 from moelab import reference
 from moelab.backends import triton_backend
 from moelab.contract import ACTIVATIONS
+from moelab.roofline import graphed
 
 pytestmark = [
     pytest.mark.skipif("triton" not in moelab.available_backends(), reason="the triton backend cannot run"),
@@ -139,3 +140,30 @@ def test_which_calls_take_it(device, paths):
     result = triton_backend.routed_moe(call, config)
     assert result.gemm2_output.numel() > 0, "a named tile config runs the tiled pipeline"
     assert paths["token_major"] == before, "the permuted intermediates, a delta or named tiles took token-major"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
+@pytest.mark.parametrize("graph_limit", [0, 1 << 30], ids=["tiled-in-graphs", "token-major-in-graphs"])
+def test_cuda_graph_capture_and_replay(graph_limit, paths, monkeypatch):
+    """Eager calls take token-major; a captured call takes the path ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` says (both
+    replay right, with fresh inputs copied in: the token-major kernels read the routing on the device)."""
+    monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS_GRAPH", graph_limit)
+    T, K, E, H, I, device = 2, 4, 16, 256, 96, torch.device("cuda")
+    p = _problem(T, K, E, H, I, dtype=torch.bfloat16, device=device, seed=5)
+    weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
+    packed = moelab.pack_topk_ids_weights(p["ids"], p["w"])
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=device)
+
+    def call():
+        return moelab.routed_moe(packed, p["x"], weights, num_experts=E, top_k=K, output=out, validate=False)
+
+    replay = graphed(call, device)  # two eager warm-ups, then the capture
+    assert paths["token_major"] == 2 + (graph_limit > 0)
+    q = _problem(T, K, E, H, I, dtype=torch.bfloat16, device=device, seed=6)
+    p["x"].copy_(q["x"])
+    packed.copy_(moelab.pack_topk_ids_weights(q["ids"], q["w"]))
+    poison(out)
+    replay()
+    torch.cuda.synchronize()
+    ref = reference.routed_moe(q["ids"], reference.bf16_round(q["w"]), q["x"], p["w13"], p["w2"])["output"]
+    assert_close_to_reference(out, ref, torch.bfloat16, "replayed graph")

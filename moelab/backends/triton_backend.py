@@ -122,15 +122,21 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
-#: Calls of at most this many slots (T*K) that ask for the output only take the two-launch token-major path
-#: (``moelab/kernels/token_major.py``); larger ones, the permuted intermediates (``do_finalize=False``, a delta)
-#: and ``LoRAExperts`` (whose base rows must equal its LoRA path's bit for bit) take the tiled pipeline.
+#: Eager calls of at most this many slots (T*K) that ask for the output only take the two-launch token-major path
+#: (``moelab/kernels/token_major.py``): at decode an eager call is host-bound, and two launches cost the host less
+#: than four. Larger calls, the permuted intermediates (``do_finalize=False``, a delta) and ``LoRAExperts`` (whose
+#: base rows must equal its LoRA path's bit for bit) take the tiled pipeline.
 TOKEN_MAJOR_MAX_SLOTS = 16
+#: The same limit while a CUDA graph is captured, where no host time is left to save and the tiled pipeline's
+#: tensor-core GEMMs, chained by PDL, are as fast or faster (0: never).
+TOKEN_MAJOR_MAX_SLOTS_GRAPH = 0
 
 
-def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool) -> bool:
-    """Whether :func:`routed_moe` runs ``T`` tokens of ``K`` experts on the token-major path."""
-    return do_finalize and not has_delta and 0 < T * K <= TOKEN_MAJOR_MAX_SLOTS
+def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, capturing: bool = False) -> bool:
+    """Whether :func:`routed_moe` runs ``T`` tokens of ``K`` experts on the token-major path, eagerly or
+    (``capturing``) while a CUDA graph is captured."""
+    limit = TOKEN_MAJOR_MAX_SLOTS_GRAPH if capturing else TOKEN_MAJOR_MAX_SLOTS
+    return do_finalize and not has_delta and 0 < T * K <= limit
 
 
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
@@ -159,13 +165,14 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     expert = expert or {}
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
-    if token_major and lora is None and not round_weights and takes_token_major(T, K, do_finalize, delta is not None):
+    if token_major and lora is None and not round_weights and takes_token_major(
+            T, K, do_finalize, delta is not None, x.is_cuda and torch.cuda.is_current_stream_capturing()):
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
         token_major_moe(routing, expert_weights, x, w13, w2, output, local_expert_offset=local_expert_offset,
                         w13_bias=w13_bias, w2_bias=w2_bias, weight_on_input=weight_on_input,
                         pdl=_runtime.pdl_launch(x.device), **expert)
-        return output, x.new_empty(0, H), routing.new_empty(0, dtype=torch.int32), x.new_empty(0, I)
+        return output, *_no_intermediates(x, routing, H, I)
     lora_columns = 0
     if lora is not None:  # the operands the GEMM tiles hold across the K loop (the adapter loop: one adapter's)
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
@@ -223,6 +230,11 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     return output, gemm2_out, seg.slot_to_row, act
 
 
+def _no_intermediates(x: torch.Tensor, routing: torch.Tensor, H: int, I: int) -> tuple[torch.Tensor, ...]:
+    """Empty (gemm2 [0, H], e2p [0], act [0, I]): what a call that asks for the output only gets back."""
+    return x.new_empty(0, H), routing.new_empty(0, dtype=torch.int32), x.new_empty(0, I)
+
+
 @functools.lru_cache(maxsize=4096)
 def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
             device: torch.device, config: GemmConfig | None,
@@ -242,11 +254,15 @@ def _routed_moe_op(routing: torch.Tensor, expert_weights: torch.Tensor | None, h
                    gated: bool = True, swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                    weight_on_input: bool = False, token_major: bool = True) -> list[torch.Tensor]:
-    """The whole pipeline as one opaque op, so torch.compile traces through it (see :func:`routed_moe`)."""
+    """The whole pipeline as one opaque op, so torch.compile traces through it (see :func:`routed_moe`). A call
+    that asks for the output only returns empty intermediates, whichever path ran (the fake cannot know which)."""
     expert = dict(activation=activation, gated=gated, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    return list(_pipeline(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
+    outs = list(_pipeline(routing, expert_weights, hidden_states, w13, w2, num_experts, local_expert_offset,
                           gemm1_lora_delta, do_finalize, expert=expert, w13_bias=w13_bias, w2_bias=w2_bias,
                           weight_on_input=weight_on_input, token_major=token_major))
+    if do_finalize and gemm1_lora_delta is None:
+        return [outs[0], *_no_intermediates(hidden_states, routing, outs[1].shape[1], outs[3].shape[1])]
+    return outs
 
 
 @_routed_moe_op.register_fake
@@ -257,9 +273,8 @@ def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_expert
     E_local, H = w13.shape[0], w13.shape[2]
     two_i = w13.shape[1] * (1 if gated else 2)
     x = hidden_states
-    if token_major and takes_token_major(T, K, do_finalize, gemm1_lora_delta is not None):
-        return [x.new_empty(T, H), x.new_empty(0, H), routing.new_empty(0, dtype=torch.int32),
-                x.new_empty(0, two_i // 2)]
+    if do_finalize and gemm1_lora_delta is None:
+        return [x.new_empty(T, H), *_no_intermediates(x, routing, H, two_i // 2)]
     tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),

@@ -53,7 +53,11 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     power of two, so small test shapes do not mask most of a tile."""
     if _runtime.INTERPRET:
         return TokenMajorConfig(16, 32, 1, 16, 32, 1)
-    return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, 16, min(128, next_pow2(inter)), 4)
+    # H200, 2026-12-02 (scripts/token_major_ab.py --sweep, T = 1, six shapes): the longest steps won, for GEMM2
+    # at about 32K weight elements a step, shared among the K experts (K = 8: 16x256; Mixtral's K = 2 took
+    # GEMM2 from 334 to 236-239 µs going from 16x128 to 16x256 or 8x128 (w4)).
+    return TokenMajorConfig(16, min(512, next_pow2(hidden)), 8, 16, min(2048 // next_pow2(top_k), next_pow2(inter)),
+                            8)
 
 
 @jit
