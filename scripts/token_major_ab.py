@@ -5,8 +5,8 @@
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed on the
-tiled pipeline (both token-major limits 0), on the token-major path with its default tiles (both limits
-unbounded) and as the defaults choose, each eagerly and replayed from a CUDA graph (``moelab.roofline.median_us``:
+tiled pipeline, on the token-major path with its default tiles (both forced, eagerly and in graphs) and as
+the backend's own rule chooses, each eagerly and replayed from a CUDA graph (``moelab.roofline.median_us``:
 medians of ``triton.testing.do_bench``, L2 flushed). ``--sweep`` also times the token-major path with each tile
 candidate below (GEMM1's candidates with GEMM2's default, then GEMM2's with GEMM1's default), in graph replays.
 Every token-major result is checked against the tiled output (relative error < 2e-2) before it is timed. Prints a
@@ -55,9 +55,16 @@ def _call(packed, x, weights, shape):
                                      validate=False)[0]
 
 
+_TAKES_TOKEN_MAJOR = triton_backend.takes_token_major
+
+
 def _force(limit):
-    """Both token-major limits (eager and graph) at ``limit`` slots: 0 forces the tiled pipeline."""
-    triton_backend.TOKEN_MAJOR_MAX_SLOTS = triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = limit
+    """The triton backend's choice replaced: token-major for at most ``limit`` slots, eagerly and in graphs (0: the
+    tiled pipeline always, a large one the token-major path); None puts its own rule back."""
+    def takes(T, K, do_finalize, has_delta, capturing=False, **_):
+        return do_finalize and not has_delta and 0 < T * K <= limit
+
+    triton_backend.takes_token_major = _TAKES_TOKEN_MAJOR if limit is None else takes
 
 
 def _time(fn, device):
@@ -93,7 +100,6 @@ def main(argv=None):
             x, packed = _inputs(shape, T, torch.bfloat16, device)
             call = _call(packed, x, weights, shape)
 
-            saved = triton_backend.TOKEN_MAJOR_MAX_SLOTS, triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH
             auto = _time(call, device)  # what a user gets: the default limits, eagerly and in a graph
             _force(0)
             want = call().clone()
@@ -123,7 +129,7 @@ def main(argv=None):
                         finally:
                             token_major.choose_token_major_config = original
                         row["sweep"].append(dict(which=which, block_n=bn, block_k=bk, warps=nw, graph_us=us))
-            triton_backend.TOKEN_MAJOR_MAX_SLOTS, triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = saved
+            _force(None)
             rows.append(row)
             best = ""
             if row["sweep"]:

@@ -28,7 +28,10 @@ pytestmark = [
 
 @pytest.fixture
 def paths(monkeypatch):
-    """Counts of the calls each path ran: {"token_major": n}."""
+    """Counts of the calls each path ran: {"token_major": n}. The rule's expert and byte limits are lifted (small
+    test problems have few experts), so every eager call of at most TOKEN_MAJOR_MAX_SLOTS slots takes the path."""
+    monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_EXPERTS_PER_SLOT", 0)
+    monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_BYTES", 1 << 62)
     seen = {"token_major": 0}
     original = triton_backend.token_major_moe
 
@@ -140,6 +143,38 @@ def test_which_calls_take_it(device, paths):
     result = triton_backend.routed_moe(call, config)
     assert result.gemm2_output.numel() > 0, "a named tile config runs the tiled pipeline"
     assert paths["token_major"] == before, "the permuted intermediates, a delta or named tiles took token-major"
+
+
+def test_the_rule():
+    """Eager: few slots, over many experts, with little weight to stream; in a graph: the graph limit."""
+    takes = triton_backend.takes_token_major
+    qwen3 = dict(num_local_experts=128, expert_bytes=3 * 2048 * 768 * 2)
+    assert takes(1, 8, True, False, **qwen3) and takes(2, 8, True, False, **qwen3)
+    assert not takes(4, 8, True, False, **qwen3), "32 slots: past TOKEN_MAJOR_MAX_SLOTS"
+    assert not takes(1, 8, False, False, **qwen3) and not takes(1, 8, True, True, **qwen3)
+    assert not takes(0, 8, True, False, **qwen3)
+    assert takes(1, 8, True, False, True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH >= 8)
+    assert not takes(2, 2, True, False, num_local_experts=8, expert_bytes=1), "Mixtral T=2: 4 slots share 8 experts"
+    mixtral = dict(num_local_experts=8, expert_bytes=3 * 4096 * 14336 * 2)
+    assert not takes(1, 2, True, False, **mixtral), "704 MB of weights: GPU-bound, the tiled GEMMs"
+    gpt_oss = dict(num_local_experts=32, expert_bytes=3 * 2880 * 2880 * 2)
+    assert takes(1, 4, True, False, **gpt_oss) and not takes(2, 4, True, False, **gpt_oss)
+
+
+def test_the_rule_in_a_call(device, monkeypatch):
+    """A call the rule sends down the path, and one past its expert limit, through ``moelab.routed_moe``."""
+    seen = []
+    original = triton_backend.token_major_moe
+    monkeypatch.setattr(triton_backend, "token_major_moe", lambda *a, **k: seen.append(1) or original(*a, **k))
+    K, E, H, I = 2, 16, 32, 16
+    for T, expect in [(2, 1), (3, 0)]:  # 4 slots over 16 experts; 6 slots: fewer than 4 experts a slot
+        p = _problem(T, K, E, H, I, device=device, seed=20 + T)
+        weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
+        before = len(seen)
+        out = _routed(p, weights, E=E, K=K, packed=False)
+        assert len(seen) - before == expect, f"T={T}"
+        ref = reference.routed_moe(p["ids"], p["w"], p["x"], p["w13"], p["w2"])["output"]
+        assert_close_to_reference(out, ref, torch.float32, f"T={T}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")

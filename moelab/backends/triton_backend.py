@@ -122,21 +122,35 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
-#: Eager calls of at most this many slots (T*K) that ask for the output only take the two-launch token-major path
-#: (``moelab/kernels/token_major.py``): at decode an eager call is host-bound, and two launches cost the host less
-#: than four. Larger calls, the permuted intermediates (``do_finalize=False``, a delta) and ``LoRAExperts`` (whose
-#: base rows must equal its LoRA path's bit for bit) take the tiled pipeline.
+#: Eager calls take the two-launch token-major path (``moelab/kernels/token_major.py``) for at most this many slots
+#: (T*K) that ask for the output only, when the slots rarely share an expert (``TOKEN_MAJOR_EXPERTS_PER_SLOT`` local
+#: experts or more per slot: each slot streams its expert's weights itself) and their weights are few enough
+#: (``TOKEN_MAJOR_MAX_BYTES``) that the call is host-bound: two launches cost the host less than four. Larger calls,
+#: the permuted intermediates (``do_finalize=False``, a delta) and ``LoRAExperts`` (whose base rows must equal its
+#: LoRA path's bit for bit) take the tiled pipeline. One H200, 2026-12-02, bf16, eager µs, token-major against tiled
+#: (``scripts/token_major_ab.py``; BENCHMARKS.md, "The token-major decode path"): Qwen3-30B-A3B T=1 55-107 against
+#: 123-262, T=2 55 against 123; OLMoE T=2 106-153 against 305; GPT-OSS-20B T=2 (8 slots over 32 experts, 400 MB)
+#: 158 against 153; Mixtral T=2 (4 slots over 8 experts) 370 against 339.
 TOKEN_MAJOR_MAX_SLOTS = 16
-#: The same limit while a CUDA graph is captured, where no host time is left to save and the tiled pipeline's
-#: tensor-core GEMMs, chained by PDL, are as fast or faster (0: never).
+TOKEN_MAJOR_EXPERTS_PER_SLOT = 4
+TOKEN_MAJOR_MAX_BYTES = 256 * 2**20
+#: The slot limit while a CUDA graph is captured, where no host time is left to save and the tiled pipeline's
+#: tensor-core GEMMs, chained by PDL, are as fast or faster at most points of the same run (0: never).
 TOKEN_MAJOR_MAX_SLOTS_GRAPH = 0
 
 
-def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, capturing: bool = False) -> bool:
+def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, capturing: bool = False, *,
+                      num_local_experts: int | None = None, expert_bytes: int = 0) -> bool:
     """Whether :func:`routed_moe` runs ``T`` tokens of ``K`` experts on the token-major path, eagerly or
-    (``capturing``) while a CUDA graph is captured."""
-    limit = TOKEN_MAJOR_MAX_SLOTS_GRAPH if capturing else TOKEN_MAJOR_MAX_SLOTS
-    return do_finalize and not has_delta and 0 < T * K <= limit
+    (``capturing``) while a CUDA graph is captured; ``num_local_experts`` (None: not limited) and
+    ``expert_bytes`` (one expert's weights) as ``TOKEN_MAJOR_MAX_SLOTS`` explains (eager calls only)."""
+    slots = T * K
+    if not do_finalize or has_delta or slots == 0:
+        return False
+    if capturing:
+        return slots <= TOKEN_MAJOR_MAX_SLOTS_GRAPH
+    few_shared = num_local_experts is None or TOKEN_MAJOR_EXPERTS_PER_SLOT * slots <= num_local_experts
+    return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES
 
 
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
@@ -166,7 +180,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
     if token_major and lora is None and not round_weights and takes_token_major(
-            T, K, do_finalize, delta is not None, x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            T, K, do_finalize, delta is not None, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+            num_local_experts=E_local, expert_bytes=(w13[0].numel() + w2[0].numel()) * w13.element_size()):
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
         token_major_moe(routing, expert_weights, x, w13, w2, output, local_expert_offset=local_expert_offset,

@@ -53,11 +53,13 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     power of two, so small test shapes do not mask most of a tile."""
     if _runtime.INTERPRET:
         return TokenMajorConfig(16, 32, 1, 16, 32, 1)
-    # H200, 2026-12-02 (scripts/token_major_ab.py --sweep, T = 1, six shapes): the longest steps won, for GEMM2
-    # at about 32K weight elements a step, shared among the K experts (K = 8: 16x256; Mixtral's K = 2 took
-    # GEMM2 from 334 to 236-239 µs going from 16x128 to 16x256 or 8x128 (w4)).
-    return TokenMajorConfig(16, min(512, next_pow2(hidden)), 8, 16, min(2048 // next_pow2(top_k), next_pow2(inter)),
-                            8)
+    # H200, 2026-12-02, T = 1 (scripts/token_major_ab.py --sweep; BENCHMARKS.md, "The token-major decode path"):
+    # long steps won. GEMM1: 16 x 512 at H < 4096 (Qwen3 39.5 µs), 16 x 1024 from 4096 (Mixtral 213 against 218,
+    # DeepSeek-V3 191 against 200). GEMM2, whose step holds the K experts' tiles: 16 x 256 for K = 8 (Qwen3 38.8,
+    # DeepSeek-V3 200: the best of 8 tiles), 8 x 512 for K <= 4 (Mixtral 201 against 240, GPT-OSS 75 against 91).
+    block_k1 = 1024 if hidden >= 4096 else 512
+    block_n2, block_k2 = (8, 512) if top_k <= 4 else (16, 256)
+    return TokenMajorConfig(16, min(block_k1, next_pow2(hidden)), 8, block_n2, min(block_k2, next_pow2(inter)), 8)
 
 
 @jit
