@@ -156,9 +156,11 @@ def test_the_rule():
     assert takes(1, 8, True, False, True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH >= 8)
     assert not takes(2, 2, True, False, num_local_experts=8, expert_bytes=1), "Mixtral T=2: 4 slots share 8 experts"
     mixtral = dict(num_local_experts=8, expert_bytes=3 * 4096 * 14336 * 2)
-    assert not takes(1, 2, True, False, **mixtral), "704 MB of weights: GPU-bound, the tiled GEMMs"
+    assert takes(1, 2, True, False, **mixtral) and takes(1, 2, True, False, True, **mixtral), "one token, big experts"
+    assert not takes(2, 2, True, False, **mixtral) and not takes(2, 2, True, False, True, **mixtral)
     gpt_oss = dict(num_local_experts=32, expert_bytes=3 * 2880 * 2880 * 2)
     assert takes(1, 4, True, False, **gpt_oss) and not takes(2, 4, True, False, **gpt_oss)
+    assert not takes(1, 4, True, False, True, **gpt_oss), "50 MB experts: the tiled pipeline in graphs"
 
 
 def test_the_rule_in_a_call(device, monkeypatch):

@@ -122,20 +122,29 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
-#: Eager calls take the two-launch token-major path (``moelab/kernels/token_major.py``) for at most this many slots
-#: (T*K) that ask for the output only, when the slots rarely share an expert (``TOKEN_MAJOR_EXPERTS_PER_SLOT`` local
-#: experts or more per slot: each slot streams its expert's weights itself) and their weights are few enough
-#: (``TOKEN_MAJOR_MAX_BYTES``) that the call is host-bound: two launches cost the host less than four. Larger calls,
-#: the permuted intermediates (``do_finalize=False``, a delta) and ``LoRAExperts`` (whose base rows must equal its
-#: LoRA path's bit for bit) take the tiled pipeline. One H200, 2026-12-02, bf16, eager µs, token-major against tiled
-#: (``scripts/token_major_ab.py``; BENCHMARKS.md, "The token-major decode path"): Qwen3-30B-A3B T=1 55-107 against
-#: 123-262, T=2 55 against 123; OLMoE T=2 106-153 against 305; GPT-OSS-20B T=2 (8 slots over 32 experts, 400 MB)
-#: 158 against 153; Mixtral T=2 (4 slots over 8 experts) 370 against 339.
+#: When the two-launch token-major path (``moelab/kernels/token_major.py``) runs instead of the tiled pipeline, for
+#: calls that ask for the output only (the permuted intermediates, ``do_finalize=False`` or a delta, and
+#: ``LoRAExperts``, whose base rows must equal its LoRA path's bit for bit, always take the tiled pipeline):
+#:
+#: - eagerly, at most ``TOKEN_MAJOR_MAX_SLOTS`` slots (T*K) that rarely share an expert
+#:   (``TOKEN_MAJOR_EXPERTS_PER_SLOT`` local experts or more per slot: each slot streams its expert's weights
+#:   itself) and whose weights are few enough (``TOKEN_MAJOR_MAX_BYTES``) that the call is host-bound: two launches
+#:   cost the host less than four;
+#: - eagerly and in CUDA graphs, one token whose experts are large (``TOKEN_MAJOR_BIG_EXPERT_BYTES`` each): the
+#:   token-major GEMMs then beat the tiled ones on the GPU itself;
+#: - in CUDA graphs otherwise up to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` slots (0): there no host time is left to save, and
+#:   the tiled pipeline is as fast or faster at most points.
+#:
+#: One H200, 2026-12-02, commit 4d268ac, bf16, µs, token-major against tiled (``scripts/token_major_ab.py``;
+#: BENCHMARKS.md, "The token-major decode path"). Eager: Qwen3-30B-A3B T=1 50-126 against 123-287 (the bench: 45
+#: against 38 in a graph), T=2 53 against 139; OLMoE T=2 68 against 160; GPT-OSS-20B T=2 (8 slots over 32 experts,
+#: 400 MB) 135 against 187 but 158 against 153 in the run before; Mixtral T=2 (4 slots over 8 experts) 326 against
+#: 272. In graphs, T=1: Mixtral (352 MB an expert) 196 against 229, DeepSeek-V3 (88 MB) 189 against 195, GPT-OSS
+#: (50 MB) 75.0 against 75.0, Qwen3 39.1 against 38.5, OLMoE 50.6 against 46.3.
 TOKEN_MAJOR_MAX_SLOTS = 16
 TOKEN_MAJOR_EXPERTS_PER_SLOT = 4
 TOKEN_MAJOR_MAX_BYTES = 256 * 2**20
-#: The slot limit while a CUDA graph is captured, where no host time is left to save and the tiled pipeline's
-#: tensor-core GEMMs, chained by PDL, are as fast or faster at most points of the same run (0: never).
+TOKEN_MAJOR_BIG_EXPERT_BYTES = 64 * 2**20
 TOKEN_MAJOR_MAX_SLOTS_GRAPH = 0
 
 
@@ -143,10 +152,12 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
                       num_local_experts: int | None = None, expert_bytes: int = 0) -> bool:
     """Whether :func:`routed_moe` runs ``T`` tokens of ``K`` experts on the token-major path, eagerly or
     (``capturing``) while a CUDA graph is captured; ``num_local_experts`` (None: not limited) and
-    ``expert_bytes`` (one expert's weights) as ``TOKEN_MAJOR_MAX_SLOTS`` explains (eager calls only)."""
+    ``expert_bytes`` (one expert's weights) as ``TOKEN_MAJOR_MAX_SLOTS`` explains."""
     slots = T * K
     if not do_finalize or has_delta or slots == 0:
         return False
+    if T == 1 and expert_bytes >= TOKEN_MAJOR_BIG_EXPERT_BYTES:
+        return True
     if capturing:
         return slots <= TOKEN_MAJOR_MAX_SLOTS_GRAPH
     few_shared = num_local_experts is None or TOKEN_MAJOR_EXPERTS_PER_SLOT * slots <= num_local_experts
