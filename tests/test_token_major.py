@@ -163,6 +163,17 @@ def test_the_rule():
     assert not takes(1, 4, True, False, True, **gpt_oss), "50 MB experts: the tiled pipeline in graphs"
 
 
+def test_the_readme_switch_rules_it_out(monkeypatch):
+    """README's way to rule the path out: both limits set as it says, no call takes it."""
+    monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS", 0)
+    monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_BIG_EXPERT_BYTES", 1 << 62)
+    mixtral = dict(num_local_experts=8, expert_bytes=3 * 4096 * 14336 * 2)
+    for capturing in (False, True):
+        assert not triton_backend.takes_token_major(1, 2, True, False, capturing, **mixtral)
+        assert not triton_backend.takes_token_major(1, 8, True, False, capturing, num_local_experts=128,
+                                                    expert_bytes=1)
+
+
 def test_the_rule_in_a_call(device, monkeypatch):
     """A call the rule sends down the path, and one past its expert limit, through ``moelab.routed_moe``."""
     seen = []
