@@ -1,5 +1,7 @@
 """Small pieces every kernel shares, above all the workarounds for Triton's CPU interpreter.
 
+The expert activations both GEMM1 kernels run (``expert_activation``) live here too.
+
 Two interpreter bugs (both absent on a GPU) would otherwise skew every bf16 result on a CPU:
 - ``tl.dot`` multiplies the raw bits of bfloat16 operands (triton issue 11584): kernels upcast dot operands
   to fp32 when interpreting (``moelab._runtime.INTERPRET``; their ``DOT_F32`` flag).
@@ -82,3 +84,40 @@ def shrink_step(x, a0_ptr, a1_ptr, a_offs, a_mask, acc0, acc1, NUM_SLICES: tl.co
             a1 = a1.to(tl.float32)
         acc1 = tl.dot(x, a1, acc1, input_precision=DOT_PRECISION)
     return acc0, acc1
+
+
+@jit
+def _pointwise(v, ACTIVATION: tl.constexpr):
+    """``ACTIVATION`` of fp32 ``v``: silu, gelu (erf), gelu_tanh (as ``v * sigmoid(2u)``, which is
+    ``0.5 v (1 + tanh(u))``) or relu2."""
+    if ACTIVATION == "silu":
+        out = v / (1.0 + tl.exp(-v))
+    elif ACTIVATION == "gelu":
+        out = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        out = v / (1.0 + tl.exp(-1.5957691216057308 * (v + 0.044715 * v * v * v)))
+    else:
+        tl.static_assert(ACTIVATION == "relu2", "activation: silu, gelu, gelu_tanh, relu2 or (gated) swigluoai")
+        out = tl.maximum(v, 0.0)
+        out = out * out
+    return out
+
+
+@jit
+def expert_activation(gate, up, ACTIVATION: tl.constexpr, GATED: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
+                SWIGLU_LIMIT: tl.constexpr):
+    """The expert activation of GEMM1's fp32 accumulators (``moelab.reference.apply_activation``): gated
+    ``act(gate) * up``, gate first clamped to ``<= SWIGLU_LIMIT`` and up to ``[-SWIGLU_LIMIT, SWIGLU_LIMIT]`` when
+    a limit is set, ``"swigluoai"`` ``gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1)``; not gated ``act(up)``
+    (``gate`` unused)."""
+    if GATED:
+        if SWIGLU_LIMIT is not None:
+            gate = tl.minimum(gate, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+        if ACTIVATION == "swigluoai":
+            out = gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate)) * (up + 1.0)
+        else:
+            out = _pointwise(gate, ACTIVATION) * up
+    else:
+        out = _pointwise(up, ACTIVATION)
+    return out

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import dot_flags, jit, to_output, wait_for_previous_kernel
+from moelab.kernels._common import dot_flags, expert_activation, jit, to_output, wait_for_previous_kernel
 from moelab.kernels.fused_lora import (
     AdapterLoopLoRA,
     DecodeLoRA,
@@ -208,43 +208,6 @@ def _tile_prologue(out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_
 
 
 @jit
-def _pointwise(v, ACTIVATION: tl.constexpr):
-    """``ACTIVATION`` of fp32 ``v``: silu, gelu (erf), gelu_tanh (as ``v * sigmoid(2u)``, which is
-    ``0.5 v (1 + tanh(u))``) or relu2."""
-    if ACTIVATION == "silu":
-        out = v / (1.0 + tl.exp(-v))
-    elif ACTIVATION == "gelu":
-        out = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":
-        out = v / (1.0 + tl.exp(-1.5957691216057308 * (v + 0.044715 * v * v * v)))
-    else:
-        tl.static_assert(ACTIVATION == "relu2", "activation: silu, gelu, gelu_tanh, relu2 or (gated) swigluoai")
-        out = tl.maximum(v, 0.0)
-        out = out * out
-    return out
-
-
-@jit
-def _activation(gate, up, ACTIVATION: tl.constexpr, GATED: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
-                SWIGLU_LIMIT: tl.constexpr):
-    """The expert activation of GEMM1's fp32 accumulators (``moelab.reference.apply_activation``): gated
-    ``act(gate) * up``, gate first clamped to ``<= SWIGLU_LIMIT`` and up to ``[-SWIGLU_LIMIT, SWIGLU_LIMIT]`` when
-    a limit is set, ``"swigluoai"`` ``gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1)``; not gated ``act(up)``
-    (``gate`` unused)."""
-    if GATED:
-        if SWIGLU_LIMIT is not None:
-            gate = tl.minimum(gate, SWIGLU_LIMIT)
-            up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-        if ACTIVATION == "swigluoai":
-            out = gate / (1.0 + tl.exp(-SWIGLU_ALPHA * gate)) * (up + 1.0)
-        else:
-            out = _pointwise(gate, ACTIVATION) * up
-    else:
-        out = _pointwise(up, ACTIVATION)
-    return out
-
-
-@jit
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I, top_k,
@@ -257,7 +220,7 @@ def _gemm1_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     LORA: tl.constexpr = False, L_PAD: tl.constexpr = 1, R_PAD: tl.constexpr = 16, LORA_DECODE: tl.constexpr = False,
     USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
-    # the expert activation (see _activation); not GATED: w13 is [E_local, I, H] (up only), the delta [T*K, I];
+    # the expert activation (_common.expert_activation); not GATED: w13 is [E_local, I, H] (up only), delta [T*K, I];
     # bias_ptr: GEMM1's bias [E_local, 2I] ([gate; up]) or [E_local, I], None: none; in_weight_ptr: each slot's
     # routing weight, to scale its input row (the router weight on the input): float [T*K], or the packed routing
     # words (IN_WEIGHT_PACKED), None: inputs as they are
@@ -371,7 +334,7 @@ def _gemm1_swiglu_kernel(
                 acc_up, acc_gate = expand_other_adapters_w13(
                     acc_up, acc_gate, adapters, row_ranks, lo, hi, s13_ptr, s_rows, up_b_ptr, gate_b_ptr, expert,
                     cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
-    act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    act = expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
     act = to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty)
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:

@@ -27,8 +27,7 @@ import torch
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import jit, to_output, wait_for_previous_kernel
-from moelab.kernels.moe_gemm import _activation
+from moelab.kernels._common import expert_activation, jit, to_output, wait_for_previous_kernel
 from moelab.permutation import cdiv, next_pow2
 
 __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
@@ -131,7 +130,7 @@ def _token_major_gemm1_kernel(
                 acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        act = _activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        act = expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
         tl.store(act_ptr + slot.to(tl.int64) * I + cols, to_output(act, act_ptr.dtype.element_ty), mask=col_ok)
 
 
