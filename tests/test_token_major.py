@@ -215,3 +215,24 @@ def test_cuda_graph_capture_and_replay(graph_limit, paths, monkeypatch):
     torch.cuda.synchronize()
     ref = reference.routed_moe(q["ids"], reference.bf16_round(q["w"]), q["x"], p["w13"], p["w2"])["output"]
     assert_close_to_reference(out, ref, torch.bfloat16, "replayed graph")
+
+
+def test_under_torch_compile(device, paths):
+    """Compiled (one custom op, fullgraph): the token-major path runs inside it and its output matches the reference;
+    the op's fake agrees with the real op whichever path runs (output only: empty intermediates)."""
+    T, K, E, H, I = 2, 4, 16, 32, 16
+    p = _problem(T, K, E, H, I, device=device, seed=31)
+    weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
+    packed = moelab.pack_topk_ids_weights(p["ids"], p["w"])
+
+    def layer(x, packed):
+        return moelab.routed_moe(packed, x, weights, num_experts=E, top_k=K, validate=False)[0]
+
+    compiled = torch.compile(layer, backend="aot_eager" if device.type == "cpu" else "inductor", fullgraph=True)
+    out = compiled(p["x"], packed)
+    assert paths["token_major"] >= 1
+    ref = reference.routed_moe(p["ids"], reference.bf16_round(p["w"]), p["x"], p["w13"], p["w2"])["output"]
+    assert_close_to_reference(out, ref, torch.float32, "compiled token-major")
+    torch.library.opcheck(torch.ops.moelab.triton_routed_moe.default,
+                          (p["ids"], p["w"], p["x"], p["w13"], p["w2"], E, 0, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
