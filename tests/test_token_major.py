@@ -163,6 +163,20 @@ def test_the_rule():
     assert not takes(1, 4, True, False, True, **gpt_oss), "50 MB experts: the tiled pipeline in graphs"
 
 
+def test_the_rule_sees_the_call(device, monkeypatch):
+    """The backend hands the rule the call's slots, local experts and one expert's weight bytes."""
+    seen = []
+    rule = triton_backend.takes_token_major
+    monkeypatch.setattr(triton_backend, "takes_token_major", lambda *a, **k: seen.append((a, k)) or rule(*a, **k))
+    T, K, E, H, I = 3, 2, 6, 40, 24
+    p = _problem(T, K, E, H, I, device=device, seed=41)
+    weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
+    _routed(p, weights, E=E, K=K, packed=True)
+    (args, kwargs), = seen
+    assert args[:4] == (T, K, True, False)
+    assert kwargs == dict(num_local_experts=E, expert_bytes=(p["w13"][0].numel() + p["w2"][0].numel()) * 4)
+
+
 def test_the_readme_switch_rules_it_out(monkeypatch):
     """README's way to rule the path out: both limits set as it says, no call takes it."""
     monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS", 0)

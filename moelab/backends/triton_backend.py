@@ -181,7 +181,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     (``activation, gated, swiglu_alpha, swiglu_limit``; None: SwiGLU); ``w13_bias``/``w2_bias`` the GEMMs' biases;
     ``weight_on_input``: each slot's input row is scaled by its weight and the finalize sums unweighted.
     ``token_major``: where :func:`takes_token_major` says so, run the two-launch path instead (then gemm2, e2p and
-    act come back empty: nothing asked for them).
+    act come back None: nothing asked for them).
     """
     packed = expert_weights is None
     if lora is not None and (packed or not round_weights):
@@ -192,13 +192,13 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
     if token_major and lora is None and not round_weights and takes_token_major(
             T, K, do_finalize, delta is not None, x.is_cuda and torch.cuda.is_current_stream_capturing(),
-            num_local_experts=E_local, expert_bytes=(w13[0].numel() + w2[0].numel()) * w13.element_size()):
+            num_local_experts=E_local, expert_bytes=(w13.shape[1] * H + H * w2.shape[2]) * w13.element_size()):
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
         token_major_moe(routing, expert_weights, x, w13, w2, output, local_expert_offset=local_expert_offset,
                         w13_bias=w13_bias, w2_bias=w2_bias, weight_on_input=weight_on_input,
                         pdl=_runtime.pdl_launch(x.device), **expert)
-        return output, *_no_intermediates(x, routing, H, I)
+        return output, None, None, None
     lora_columns = 0
     if lora is not None:  # the operands the GEMM tiles hold across the K loop (the adapter loop: one adapter's)
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
@@ -287,7 +287,7 @@ def _routed_moe_op(routing: torch.Tensor, expert_weights: torch.Tensor | None, h
                           gemm1_lora_delta, do_finalize, expert=expert, w13_bias=w13_bias, w2_bias=w2_bias,
                           weight_on_input=weight_on_input, token_major=token_major))
     if do_finalize and gemm1_lora_delta is None:
-        return [outs[0], *_no_intermediates(hidden_states, routing, outs[1].shape[1], outs[3].shape[1])]
+        return [outs[0], *_no_intermediates(hidden_states, routing, w2.shape[1], w2.shape[2])]
     return outs
 
 

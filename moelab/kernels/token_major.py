@@ -21,6 +21,7 @@ rows [gate; up] or [E_local, I, H] up only, ``w2 [E_local, H, I]``), activations
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class TokenMajorConfig:
     warps2: int
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> TokenMajorConfig:
     """Tiles for ``num_tokens`` tokens of ``top_k`` experts, hidden size ``hidden`` (H), expert size ``inter`` (I).
     The interpreter takes small tiles (numpy runs each program); on a GPU BLOCK_K is capped at the reduction's
