@@ -7,16 +7,18 @@ At decode the tiled pipeline (``moelab/backends/triton_backend.py``) runs four d
 GEMM1, GEMM2 and the finalize, and every tile of its GEMMs holds one real row of 16. Here the slot's expert id is
 read straight from the routing (packed words or ids), so the segments launch goes, and GEMM2 sums a token's K
 expert rows in its own registers, so the finalize goes too. Both kernels are matrix-vector products on the CUDA
-cores (a row at a time: there is nothing for tensor cores to reuse) that stream the touched experts' weights
-once; GEMM2 loads the K experts' [BLOCK_N, BLOCK_K] weight tiles of one token together, as one
-[K_PAD, BLOCK_N, BLOCK_K] tile, so K times the bytes are in flight per step.
+cores (a row at a time: there is nothing for tensor cores to reuse) in which each slot streams its expert's
+weights itself, so slots that share an expert read it again; GEMM2 loads the K experts' [BLOCK_N, BLOCK_K]
+weight tiles of one token together, as one [K_PAD, BLOCK_N, BLOCK_K] tile, so K times the bytes are in flight
+per step.
 
 Rounding follows the tiled path: the activation is stored in the input dtype, each expert's GEMM2 row is rounded to
 it before it is weighted (the tiled path stores that row), the weighted sum is fp32 and rounded once. Non-local
 slots (expert-parallel ranks) read nothing and add nothing. Weights stay in HF order (``w13 [E_local, 2I, H]``
 rows [gate; up] or [E_local, I, H] up only, ``w2 [E_local, H, I]``), activations and biases as in
-``moelab/kernels/moe_gemm.py``. :func:`token_major_moe` launches both; the triton backend takes this path for
-``TOKEN_MAJOR_MAX_SLOTS`` slots or fewer when nothing but the output is asked for.
+``moelab/kernels/moe_gemm.py``. :func:`token_major_moe` launches both; the triton backend takes this path where
+``takes_token_major`` says (``moelab/backends/triton_backend.py``: few slots over many experts, or one token of
+large experts, and only the output asked for; the rule's H200 measurements are beside it).
 """
 
 from __future__ import annotations
