@@ -87,7 +87,7 @@ def test_every_activation_against_reference(activation, gated, bias, on_input, d
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("T, K, E, H, I", [(1, 2, 8, 32, 32), (1, 8, 64, 48, 40), (2, 8, 16, 64, 16),
-                                           (4, 3, 6, 24, 56)])
+                                           (4, 3, 6, 24, 56), (3, 1, 16, 40, 24)])  # K = 1: Llama-4's top-1
 def test_shapes_and_dtypes(T, K, E, H, I, dtype, device, paths):
     p = _problem(T, K, E, H, I, dtype=dtype, device=device, seed=T * 1000 + K * 100 + H)
     weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
