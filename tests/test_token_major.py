@@ -67,16 +67,16 @@ def _routed(p, weights, *, E, K, packed, on_input=False, offset=0):
     return out
 
 
-@pytest.mark.parametrize("bias,on_input", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "bias", "bias-oninput"])
+@pytest.mark.parametrize("bias,on_input,packed", [(False, False, False), (True, False, False), (True, True, True),
+                                                  (True, True, False)],
+                         ids=["plain", "bias", "bias-oninput-packed", "bias-oninput-tuple"])
 @pytest.mark.parametrize("activation,gated", sorted(ACTIVATIONS))
-def test_every_activation_against_reference(activation, gated, bias, on_input, device, paths):
+def test_every_activation_against_reference(activation, gated, bias, on_input, packed, device, paths):
     T, K, E, H, I = 3, 5, 7, 40, 24  # 15 slots; K_PAD 8; H and I off the tiles
-    seed = zlib.crc32(repr((activation, gated, bias, on_input)).encode())
+    seed = zlib.crc32(repr((activation, gated, bias, on_input, packed)).encode())
     p = _problem(T, K, E, H, I, gated=gated, bias=bias, device=device, seed=seed)
     weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton", w13_bias=p["b13"], w2_bias=p["b2"],
                                      activation=activation, gated=gated)
-    packed = on_input  # the input weight from packed words once, the caller's weights otherwise
     out = _routed(p, weights, E=E, K=K, packed=packed, on_input=on_input)
     assert paths["token_major"] == 1
     w_ref = reference.bf16_round(p["w"]) if packed else p["w"]
@@ -250,3 +250,23 @@ def test_under_torch_compile(device, paths):
     torch.library.opcheck(torch.ops.moelab.triton_routed_moe.default,
                           (p["ids"], p["w"], p["x"], p["w13"], p["w2"], E, 0, None, True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_tiled_routed_moe_is_what_lora_experts_rows_equal(device, monkeypatch):
+    """``routed_moe(call, token_major=False)`` (the bench's base for its bit-for-bit check) equals a LoRAExperts
+    call without adapters bit for bit, at a size where plain ``routed_moe`` takes the token-major kernels."""
+    from moelab.moe import validate_call
+
+    T, K, E, H, I = 2, 2, 32, 64, 32
+    p = _problem(T, K, E, H, I, device=device, seed=0)
+    weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
+    packed = moelab.pack_topk_ids_weights(p["ids"], p["w"])
+    call = validate_call(packed, p["x"], weights, E, K, 0, None, True, None, False)
+    assert triton_backend.takes_token_major(T, K, True, False, num_local_experts=E,
+                                            expert_bytes=3 * H * I * 4), "the default call must take token-major"
+    tiled = triton_backend.routed_moe(call, token_major=False).output
+    experts = moelab.LoRAExperts(p["w13"], p["w2"], num_experts=E, top_k=K, backend="triton")
+    assert torch.equal(tiled, experts(p["x"], p["w"], p["ids"], None))
+    ref = reference.routed_moe(p["ids"], reference.bf16_round(p["w"]), p["x"], p["w13"], p["w2"])["output"]
+    assert_close_to_reference(moelab.routed_moe(packed, p["x"], weights, num_experts=E, top_k=K)[0], ref,
+                              torch.float32, "token-major")

@@ -11,8 +11,8 @@ This module only orchestrates; each step's launcher lives beside its kernels in 
     GEMM2 + bias                   kernels/moe_gemm.py   gemm2 (+ the LoRA expand)
     finalize                       kernels/finalize.py   finalize_triton
 
-A call of at most ``TOKEN_MAJOR_MAX_SLOTS`` slots that asks for the output only (no delta, no LoRA bank) runs
-``kernels/token_major.py`` instead: GEMM1 by slot and GEMM2 with the top-k combine, two launches.
+A decode-sized call that asks for the output only (no delta, no LoRA bank) may run ``kernels/token_major.py``
+instead, where :func:`takes_token_major` says: GEMM1 by slot and GEMM2 with the top-k combine, two launches.
 
 The tile of the permuted space is the GEMMs' BLOCK_M (``moe_gemm.choose_config``), so a tile never mixes experts.
 While a CUDA graph is captured on Hopper or newer, the kernels are chained by programmatic dependent launch
@@ -342,8 +342,9 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     pipeline, the bank folded into its GEMMs (the W13 and W2 shrinks, extra launches but at decode; no [T,K,2I] or
     [T,K,H] delta); else, and for the base MoE under ``torch.compile`` (one registered custom op), vLLM's unfused
     flow. The pipeline reads the ids and the caller's weights directly (no packing launches) and weights the base
-    term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the packed
-    base path's. No path here takes the token-major kernels: every base row comes from the same tiled GEMMs."""
+    term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the tiled
+    packed base pipeline's. No path here takes the token-major kernels: every base row comes from the same tiled
+    GEMMs (``routed_moe``'s token-major decode calls agree with them to rounding only)."""
     tiled = functools.partial(routed_moe, token_major=False)
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, tiled)

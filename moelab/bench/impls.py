@@ -25,6 +25,18 @@ def build_moelab(ctx, backend: str):
     return lambda s: moelab.routed_moe(s.packed, s.x, W, num_experts=E, top_k=K, validate=False)[0]
 
 
+def build_moelab_tiled(ctx):
+    """``moelab.routed_moe`` on the triton backend's tiled pipeline at every batch size (its token-major decode
+    kernels ruled out): the base rows that ``LoRAExperts``' tokens without an adapter equal bit for bit."""
+    from moelab.backends import triton_backend
+    from moelab.moe import validate_call
+
+    W = moelab.prepare_weights(ctx.w13, ctx.w2, backend="triton", **ctx.expert)
+    E, K = ctx.shape.E, ctx.shape.K
+    return lambda s: triton_backend.routed_moe(validate_call(s.packed, s.x, W, E, K, 0, None, True, None, False),
+                                               token_major=False).output
+
+
 def make_bank(ctx, ranks: list[int]) -> moelab.LoRABank:
     """A LoRABank with one random adapter per entry of ``ranks`` (slot i has rank ``ranks[i]``), scaling 1. Slot 0
     shares one A between gate and up (PEFT's fused gate_up LoRA), so HF + PEFT computes the same function."""

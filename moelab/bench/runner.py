@@ -497,8 +497,8 @@ def _run_tokens(runner: Runner, ctx: Ctx, plan: list[Impl], variants: list[LoRAV
             ranks = torch.tensor(ctx.bank_of(v.name).ranks, dtype=torch.float64)
             base["lora_roof"][v.name] = _lora_roof(runner, shape, T, touched, sets, v.name, ranks)
             check["ref"][v.name] = reference_rows(ctx, sets[0], rows, v.name)
-        try:  # the base path's output, for the bit-for-bit check of tokens without an adapter
-            base["base_out"] = impls.build_moelab(ctx, "triton")(sets[0])
+        try:  # the tiled base pipeline's output, for the bit-for-bit check of tokens without an adapter
+            base["base_out"] = impls.build_moelab_tiled(ctx)(sets[0])
         except Exception as e:
             runner._emit({"mode": mode, "shape": shape.name, "routing": routing, "T": T, "variant": "none",
                           "impl": "moelab triton (base output for the bit-for-bit check)",

@@ -60,8 +60,9 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     # long steps won. GEMM1: 16 x 512 at H < 4096 (Qwen3 39.5 µs), 16 x 1024 from 4096 (Mixtral 213 against 218,
     # DeepSeek-V3 191 against 200). GEMM2, whose step holds the K experts' tiles: 16 x 256 for K = 8 (Qwen3 38.8,
     # DeepSeek-V3 200: the best of 8 tiles), 8 x 512 for K <= 4 (Mixtral 201 against 240, GPT-OSS 75 against 91).
+    # K > 8 (not measured) keeps K = 8's 32K weight elements a step: BLOCK_K shrinks as K_PAD grows.
     block_k1 = 1024 if hidden >= 4096 else 512
-    block_n2, block_k2 = (8, 512) if top_k <= 4 else (16, 256)
+    block_n2, block_k2 = (8, 512) if top_k <= 4 else (16, 2048 // max(8, next_pow2(top_k)))
     return TokenMajorConfig(16, min(block_k1, next_pow2(hidden)), 8, block_n2, min(block_k2, next_pow2(inter)), 8)
 
 
