@@ -60,6 +60,19 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr):
 
 
 @jit
+def routing_word_expert(word):
+    """The global expert id of FlashInfer's int32 routing word ``(id << 16) | bf16(weight)``: its signed high half
+    (an arithmetic shift; ``moelab.packing``)."""
+    return word >> 16
+
+
+@jit
+def routing_word_weight(word):
+    """The routing weight of an int32 routing word: its low half, the bf16 weight, widened exactly to fp32."""
+    return ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@jit
 def to_output(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` with round-to-nearest-even, also in the interpreter."""
     if INTERPRET and dtype == tl.bfloat16:

@@ -13,7 +13,7 @@ import torch
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import jit, to_output, wait_for_previous_kernel
+from moelab.kernels._common import jit, routing_word_weight, to_output, wait_for_previous_kernel
 from moelab.permutation import cdiv, next_pow2
 
 
@@ -35,7 +35,7 @@ def _finalize_kernel(
         live = (row >= 0) & (row < num_rows)  # non-local slots contribute nothing (their rows are never read)
         if PACKED_WEIGHTS:  # the low half of the routing word is the bf16 weight: widen it exactly
             word = tl.load(weights_ptr + t * stride_w_t + k)
-            w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            w = routing_word_weight(word)
         else:
             w = tl.load(weights_ptr + t * stride_w_t + k).to(tl.float32)
             if ROUND_WEIGHTS:  # the weight packing would have carried: bf16, nearest even

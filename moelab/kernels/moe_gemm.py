@@ -33,7 +33,14 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import dot_flags, expert_activation, jit, to_output, wait_for_previous_kernel
+from moelab.kernels._common import (
+    dot_flags,
+    expert_activation,
+    jit,
+    routing_word_weight,
+    to_output,
+    wait_for_previous_kernel,
+)
 from moelab.kernels.fused_lora import (
     AdapterLoopLoRA,
     DecodeLoRA,
@@ -250,7 +257,7 @@ def _gemm1_swiglu_kernel(
     if in_weight_ptr is not None:  # the routing weight of each row's slot, widened exactly to fp32
         if IN_WEIGHT_PACKED:  # the low half of the routing word is the bf16 weight
             word = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0)
-            in_weight = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            in_weight = routing_word_weight(word)
         else:
             in_weight = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0.0).to(tl.float32)
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)

@@ -28,7 +28,7 @@ import torch
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import jit, wait_for_previous_kernel
+from moelab.kernels._common import jit, routing_word_expert, wait_for_previous_kernel
 from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, next_pow2
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
@@ -41,7 +41,7 @@ MAX_CHUNK = 1024
 def _load_groups(values_ptr, slots, num_slots, offset, num_groups, NO_GROUP: tl.constexpr, PACKED: tl.constexpr):
     g = tl.load(values_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
     if PACKED:  # FlashInfer's routing word: the expert id is the signed high half
-        g = g >> 16
+        g = routing_word_expert(g)
     g = g - offset
     return tl.where((slots < num_slots) & (g >= 0) & (g < num_groups), g, NO_GROUP)
 

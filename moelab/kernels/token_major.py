@@ -30,7 +30,14 @@ import torch
 import triton.language as tl
 
 from moelab import _runtime
-from moelab.kernels._common import expert_activation, jit, to_output, wait_for_previous_kernel
+from moelab.kernels._common import (
+    expert_activation,
+    jit,
+    routing_word_expert,
+    routing_word_weight,
+    to_output,
+    wait_for_previous_kernel,
+)
 from moelab.permutation import cdiv, next_pow2
 
 __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
@@ -68,10 +75,10 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
 
 @jit
 def _local_expert(value, offset, num_local_experts, PACKED: tl.constexpr):
-    """(expert, local) of a slot's routing ``value`` (a packed word: the id is its high half; else the id):
+    """(expert, local) of a slot's routing ``value`` (a packed word: the id is its signed high half; else the id):
     the local expert index (0 where not local, so addresses stay in range) and whether the slot is this rank's."""
     if PACKED:
-        value = (value >> 16) & 0xFFFF
+        value = routing_word_expert(value)
     expert = value - offset
     local = (expert >= 0) & (expert < num_local_experts)
     return tl.where(local, expert, 0).to(tl.int64), local
@@ -86,7 +93,7 @@ def _slot_weight(routing_ptr, weights_ptr, slots, mask, PACKED: tl.constexpr):
             word = tl.load(routing_ptr + slots)
         else:
             word = tl.load(routing_ptr + slots, mask=mask, other=0)
-        w = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        w = routing_word_weight(word)
     elif mask is None:
         w = tl.load(weights_ptr + slots).to(tl.float32)
     else:
