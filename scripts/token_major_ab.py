@@ -23,6 +23,7 @@ import torch
 
 import moelab
 from moelab.backends import triton_backend
+from moelab.bench.cli import _split_shapes
 from moelab.kernels import token_major
 from moelab.lab import rel_err
 from moelab.roofline import get_shape, graphed, median_us
@@ -75,21 +76,14 @@ def _time(fn, device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="qwen3-30b-a3b,olmoe,mixtral,gpt-oss-20b,deepseek-v3,64,6,2048,1408")
+    p.add_argument("--shape", default="qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408",
+                   help="as python -m moelab.bench --shape takes it (';' between shapes when one is E,K,H,I)")
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--sweep", action="store_true", help="also time each tile candidate (graph replays)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda")
-    names = a.shape.split(",")
-    shapes, i = [], 0
-    while i < len(names):  # "E,K,H,I" takes four comma fields
-        if names[i].isdigit():
-            shapes.append(get_shape(",".join(names[i:i + 4])))
-            i += 4
-        else:
-            shapes.append(get_shape(names[i]))
-            i += 1
+    shapes = [get_shape(name) for name in _split_shapes(a.shape)]
     rows = []
     print("| shape | T | slots | tiled eager | tiled graph | token-major eager | token-major graph | graph tiled/tm "
           "| default eager | default graph | tiles |")

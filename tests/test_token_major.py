@@ -137,7 +137,6 @@ def test_which_calls_take_it(device, paths):
     moelab.routed_moe(topk, p["x"], weights, num_experts=E, top_k=K, do_finalize=False)
     delta = torch.zeros(most, K, 2 * I, device=device)
     moelab.routed_moe(topk, p["x"], weights, num_experts=E, top_k=K, gemm1_lora_delta=delta)
-    from moelab.contract import RoutedMoECall  # noqa: F401  (the call below is the backend's own entry)
     call = moelab.moe.validate_call(topk, p["x"], weights, E, K, 0, None, True, None, True)
     config = triton_backend.choose_config(most, K, E, torch.float32, device=device)
     result = triton_backend.routed_moe(call, config)
