@@ -9,11 +9,17 @@ rotated); each timing is printed. ``--group-m``: every candidate is also tried w
 (row tiles swept together down each column block), the current config's variants first. The winner of each T
 replaces the config of its rows-per-expert bucket in moelab/kernels/moe_gemm_configs.json (and a copy goes to
 $OUT), which ``choose_config`` reads.
+
+``--aggregate`` tunes the table for every shape at once, so no shape's sweep overwrites another's: each
+(shape, T) point counts toward its rows-per-expert bucket, and a bucket takes the candidate with the lowest
+geometric mean of time / the current config's time over every point of the bucket that timed it (a candidate
+that failed or ran out of budget at one of them is out). The per-bucket table is printed and written.
 """
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 
@@ -29,22 +35,34 @@ from moelab.permutation import build_segments, local_expert_of_slot
 from moelab.roofline import SHAPES, get_shape
 
 
-def candidates(rows_per_expert, default, groups=(1,)):
-    """Likely winners first (the sweep stops at its time budget). (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+def bucket_of(rows_per_expert):
+    """The upper bound of the config file's bucket holding ``rows_per_expert``."""
+    buckets = json.loads(CONFIG_FILE.read_text())["buckets"]
+    return next(b["max_rows_per_expert"] for b in buckets if rows_per_expert <= b["max_rows_per_expert"])
+
+
+def candidates(rows_per_expert, default, groups=None):
+    """Likely winners first (the sweep stops at its time budget). (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+    The grid follows the bucket, so every point of a bucket times the same candidates (``--aggregate``)."""
+    rows_per_expert = bucket_of(rows_per_expert)
     if rows_per_expert <= 4:  # weight streaming: many programs, deep pipelines
         grid = [(16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3),
                 (16, 64, 64, 4, 5), (16, 128, 64, 4, 4), (16, 64, 128, 8, 4), (16, 32, 128, 2, 5),
                 (16, 32, 64, 4, 6)]
-    elif rows_per_expert <= 32:
+    elif rows_per_expert <= 16:
         grid = [(16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
                 (32, 128, 128, 8, 3), (16, 32, 128, 4, 4), (32, 64, 64, 4, 5)]
-    else:
-        grid = [(128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                (64, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3)]
+    elif rows_per_expert <= 128:  # tens of rows an expert: one or two row tiles each
+        grid = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 128, 4, 4), (32, 128, 128, 4, 3),
+                (64, 128, 128, 8, 3), (128, 64, 64, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4, 8)]
+    else:  # compute-bound; a 6th entry is group_m (experts whose weights outgrow the L2: Mixtral)
+        grid = [(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (64, 256, 64, 8, 3), (64, 256, 64, 8, 3, 8),
+                (128, 64, 64, 4, 4), (128, 64, 64, 4, 4, 8), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3),
+                (128, 128, 64, 8, 4), (128, 128, 128, 8, 2)]
     configs = [default] + [GemmConfig(*c) for c in grid]
     out = []
     for c in configs:
-        for g in groups:
+        for g in groups or (c.group_m,):  # no groups: each candidate's own
             v = dataclasses.replace(c, group_m=g)
             if v not in out:
                 out.append(v)
@@ -71,12 +89,49 @@ def main():
                    "[qwen3-30b-a3b]")
     p.add_argument("--tokens", default="1,32,128,1024,4096,16384")
     p.add_argument("--budget-s", type=float, default=60.0, help="wall-clock budget per T")
-    p.add_argument("--group-m", default="1", help="comma list of group_m values tried with every candidate")
+    p.add_argument("--group-m", default=None, help="comma list of group_m values tried with every candidate "
+                   "[each candidate's own]")
     p.add_argument("--max-configs", type=int, default=None, help="time at most this many candidates per T")
+    p.add_argument("--total-s", type=float, default=None, help="wall-clock budget of the whole sweep: no point "
+                   "starts after it (so --aggregate still picks from the points timed)")
+    p.add_argument("--aggregate", action="store_true", help="one table for all shapes: per bucket, the best "
+                   "geometric mean of time / the current config's time")
     args = p.parse_args()
+    points = []  # (shape, T, rows per expert, {config: ms}, the current config)
+    args.deadline = time.time() + args.total_s if args.total_s else float("inf")
     for name in args.shape or ["qwen3-30b-a3b"]:
-        tune_shape(get_shape(name), args)
+        points += tune_shape(get_shape(name), args)
         torch.cuda.empty_cache()
+    if args.aggregate:
+        pick_by_bucket(points)
+
+
+#: --aggregate changes a bucket only for a geometric-mean gain above this host's run-to-run noise (2 %)
+CHANGE_BELOW = 0.98
+
+
+def pick_by_bucket(points):
+    """Per bucket, the candidate with the lowest geometric mean of time / current time over the bucket's points
+    (only candidates timed at all of them); printed, and written into the config file."""
+    by_bucket = {}
+    for point in points:
+        by_bucket.setdefault(bucket_of(point[2]), []).append(point)
+    print("\n| bucket (rows/expert <=) | points | current | winner | geomean winner/current | per point |")
+    print("|---|---|---|---|---|---|")
+    for bucket, pts in sorted(by_bucket.items()):
+        common = set.intersection(*(set(times) for _, _, _, times, current in pts if current in times))
+        if not common or any(current not in times for *_, times, current in pts):
+            print(f"| {bucket:g} | {len(pts)} | - | no candidate timed at every point | | |")
+            continue
+
+        def score(cfg):
+            return math.exp(sum(math.log(times[cfg] / times[current]) for *_, times, current in pts) / len(pts))
+
+        best = min(common, key=score)
+        each = ", ".join(f"{name} T={T}: {times[best] / times[current]:.3f}" for name, T, _, times, current in pts)
+        print(f"| {bucket:g} | {len(pts)} | {pts[0][4]} | {best} | {score(best):.3f} | {each} |", flush=True)
+        if score(best) < CHANGE_BELOW:
+            record_winner(bucket, best)
 
 
 def tune_shape(shape, args):
@@ -86,7 +141,11 @@ def tune_shape(shape, args):
     w2 = (torch.randn(E, H, I, device=dev) / I**0.5).bfloat16()
     Wt = moelab.prepare_weights(w13, w2, backend="torch")
     print(f"shape {shape.name} E={E} K={K} H={H} I={I} on {torch.cuda.get_device_name()}", flush=True)
+    points = []
     for T in [int(t) for t in args.tokens.split(",")]:
+        if time.time() > args.deadline:
+            print(f"T={T} not timed: the sweep's --total-s ran out", flush=True)
+            continue
         sets = []
         for _ in range(4):
             x = torch.randn(T, H, device=dev).bfloat16()
@@ -103,7 +162,8 @@ def tune_shape(shape, args):
         results = []
         start = time.time()
         default = choose_config(T, K, E)  # the current file's config, timed beside the candidates
-        for cfg in candidates(T * K / E, default, [int(g) for g in args.group_m.split(",")])[:args.max_configs]:
+        groups = args.group_m and [int(g) for g in args.group_m.split(",")]
+        for cfg in candidates(T * K / E, default, groups)[:args.max_configs]:
             if time.time() - start > args.budget_s:
                 break
             try:
@@ -123,15 +183,18 @@ def tune_shape(shape, args):
                 print(f"  T={T} {cfg} {ms*1e3:.1f} us", flush=True)
             except Exception as e:  # a config that does not compile (shared memory) is skipped
                 print(f"  T={T} {cfg} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        points.append((shape.name, T, T * K / E, {c: ms for ms, c in results}, default))
         results.sort(key=lambda r: r[0])
         if not results:
             print(f"T={T:6d} no candidate ran", flush=True)
             continue
-        record_winner(T * K / E, results[0][1])
+        if not args.aggregate:
+            record_winner(T * K / E, results[0][1])
         dflt = next((ms for ms, c in results if c == default), float("nan"))
         print(f"T={T:6d} segments {seg_ms*1e3:7.1f} us | default {dflt*1e3:8.1f} us | best {results[0][0]*1e3:8.1f} us "
               f"{results[0][1]} | 2nd {results[1][0]*1e3 if len(results) > 1 else 0:8.1f} us "
               f"{results[1][1] if len(results) > 1 else ''}", flush=True)
+    return points
 
 
 if __name__ == "__main__":
