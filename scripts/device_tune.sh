@@ -15,21 +15,21 @@ OUT=${OUT:-build/device_tune}; mkdir -p "$OUT"
 
 UNSEEN="--quick --check-tokens 4 --peers none --shape 128,8,4096,1536,deepseek-v3 --tokens 128,1024,4096"
 el "unseen, current table"
-timeout -s INT 60 python3 -m moelab.bench $UNSEEN --time-budget 50 --out "$OUT/unseen_before.json" \
+timeout -s INT 55 python3 -m moelab.bench $UNSEEN --time-budget 45 --out "$OUT/unseen_before.json" \
   > "$OUT/unseen_before.md" 2> "$OUT/unseen_before.err"
 echo "rc=$?"; grep -m1 -A9 "median µs" "$OUT/unseen_before.md"
 
 el "tune"
-timeout -s INT "${TUNE_S:-280}" python3 scripts/tune_moe.py --aggregate --budget-s "${POINT_S:-10}" --total-s 240 \
+timeout -s INT "${TUNE_S:-250}" python3 scripts/tune_moe.py --aggregate --budget-s "${POINT_S:-10}" --total-s 210 \
   --tokens "${TUNE_TOKENS:-32,128,1024,4096,16384}" \
   --shape qwen3-30b-a3b --shape olmoe --shape mixtral --shape gpt-oss-20b --shape 64,6,2048,1408 > "$OUT/tune.log" 2>&1
 echo "rc=$?"; grep -E "^(T=|\||shape)" "$OUT/tune.log"
 git diff --stat 2>/dev/null; cat moelab/kernels/moe_gemm_configs.json
 
 el "bench"
-timeout -s INT "${BENCH_S:-200}" python3 -m moelab.bench --quick --check-tokens 4 --peers none \
+timeout -s INT "${BENCH_S:-170}" python3 -m moelab.bench --quick --check-tokens 4 --peers none \
   --shape qwen3-30b-a3b,olmoe,gpt-oss-20b,mixtral,64,6,2048,1408,128,8,4096,1536,deepseek-v3 \
-  --tokens "${BENCH_TOKENS:-32,128,1024,4096}" --time-budget "${BENCH_BUDGET:-160}" --out "$OUT/bench.json" \
+  --tokens "${BENCH_TOKENS:-32,128,1024,4096}" --time-budget "${BENCH_BUDGET:-135}" --out "$OUT/bench.json" \
   > "$OUT/bench.md" 2> "$OUT/bench.err"
 echo "rc=$?"; tail -3 "$OUT/bench.err"; grep -A32 "median µs" "$OUT/bench.md" | head -80
 el done
