@@ -124,7 +124,7 @@ def pick_by_bucket(points):
             print(f"| {bucket:g} | {len(pts)} | - | no candidate timed at every point | | |")
             continue
 
-        def score(cfg):
+        def score(cfg, pts=pts):
             return math.exp(sum(math.log(times[cfg] / times[current]) for *_, times, current in pts) / len(pts))
 
         best = min(common, key=score)
@@ -161,7 +161,8 @@ def tune_shape(shape, args):
         print(f"T={T} segments torch {seg_ms*1e3:.1f} us, triton {seg_tr_ms*1e3:.1f} us", flush=True)
         results = []
         start = time.time()
-        default = choose_config(T, K, E)  # the current file's config, timed beside the candidates
+        default = choose_config(T, K, E, expert_bytes=(w13[0].numel() + w2[0].numel()) * w13.element_size())
+        # ^ the current file's config, as the backend picks it for these experts, timed beside the candidates
         groups = args.group_m and [int(g) for g in args.group_m.split(",")]
         for cfg in candidates(T * K / E, default, groups)[:args.max_configs]:
             if time.time() - start > args.budget_s:

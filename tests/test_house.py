@@ -98,5 +98,24 @@ def test_gemm_configs_fit_every_gpu():
         need = shared_memory_bytes(cfg, dtype.itemsize, columns)
         assert need <= smem and cfg.num_stages >= 1, f"{name}: {cfg} needs {need} B of {smem}"
         assert cfg.block_m <= tuned.block_m and cfg.block_n <= tuned.block_n and cfg.block_k <= tuned.block_k, name
-        if cc == (9, 0) and dtype == torch.bfloat16 and columns == 0:
-            assert dataclasses.replace(cfg, num_stages=0) == dataclasses.replace(tuned, num_stages=0), name
+        if cc == (9, 0) and dtype == torch.bfloat16 and columns == 0:  # group_m: small experts sweep ungrouped
+            assert dataclasses.replace(cfg, num_stages=0) == dataclasses.replace(tuned, num_stages=0, group_m=1), name
+
+
+def test_group_m_only_for_experts_past_the_l2():
+    """A bucket's grouped tile order holds for experts of GROUP_M_MIN_EXPERT_BYTES or more (Mixtral's), and
+    experts below it sweep ungrouped (group_m 1), with the bucket's tiles otherwise unchanged; buckets without a
+    group_m stay 1 for any expert."""
+    import dataclasses
+
+    from moelab.kernels.moe_gemm import CONFIG_BUCKETS, GROUP_M_MIN_EXPERT_BYTES, DeviceLimits, choose_config
+
+    h200 = DeviceLimits((9, 0), 232448)
+    grouped = [(limit, c) for limit, c in CONFIG_BUCKETS if c.group_m > 1]
+    assert grouped, "the tuned table groups no bucket: this test checks nothing"
+    for limit, tuned in CONFIG_BUCKETS:
+        rows = min(limit, 4096)  # T * K / E for T = rows, K = 8, E = 8
+        big = choose_config(rows, 8, 8, device=h200, expert_bytes=GROUP_M_MIN_EXPERT_BYTES)
+        small = choose_config(rows, 8, 8, device=h200, expert_bytes=GROUP_M_MIN_EXPERT_BYTES - 1)
+        assert big.group_m == tuned.group_m, (limit, big)
+        assert small == dataclasses.replace(big, group_m=1), (limit, small)

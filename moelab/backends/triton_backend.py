@@ -204,7 +204,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
-                                               config, lora is not None and lora.adapter_loop)
+                                               config, lora is not None and lora.adapter_loop,
+                                               (w13.shape[1] * H + H * w2.shape[2]) * w13.element_size())
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
@@ -264,11 +265,12 @@ def _no_intermediates(x: torch.Tensor, routing: torch.Tensor, H: int, I: int) ->
 @functools.lru_cache(maxsize=4096)
 def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
             device: torch.device, config: GemmConfig | None,
-            lora_own: bool = False) -> tuple[GemmConfig, int, int, int]:
+            lora_own: bool = False, expert_bytes: int = 0) -> tuple[GemmConfig, int, int, int]:
     """The pipeline's host arithmetic, computed once per shape (decode calls are host-bound): the tile config
-    (``config``, else :func:`choose_config`'s), the rows of the act and gemm2 buffers (FlashInfer's sizes) and the
-    rows live data can reach."""
-    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device, lora_own=lora_own)
+    (``config``, else :func:`choose_config`'s for experts of ``expert_bytes``), the rows of the act and gemm2
+    buffers (FlashInfer's sizes) and the rows live data can reach."""
+    cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device, lora_own=lora_own,
+                                  expert_bytes=expert_bytes)
     return (cfg, permuted_rows(T, K, num_experts, cfg.block_m, I), permuted_rows(T, K, num_experts, cfg.block_m, H),
             max_live_rows(T * K, E_local, cfg.block_m))
 

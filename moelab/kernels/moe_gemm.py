@@ -74,9 +74,9 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     #: row tiles swept together down each column block (Triton's grouped order); 1: each row tile sweeps all
-    #: columns before the next starts. Meant for experts whose weights outgrow the L2 (Mixtral: 235 MB of W13
-    #: each), where group_m tiles could share one weight block's HBM read. An optional 6th entry of a config in
-    #: moe_gemm_configs.json; every bucket is 1 today (the H200 measurements disagreed, see BENCHMARKS.md).
+    #: columns before the next starts. For experts whose weights outgrow the L2 (Mixtral: 235 MB of W13 each),
+    #: where group_m row tiles share one weight block's HBM read. An optional 6th entry of a config in
+    #: moe_gemm_configs.json, which :func:`choose_config` keeps for experts of GROUP_M_MIN_EXPERT_BYTES or more.
     group_m: int = 1
 
 
@@ -88,6 +88,13 @@ CONFIG_BUCKETS = [(b["max_rows_per_expert"], GemmConfig(*b["config"]))
 #: A GPU never tuned takes the nearest tuned table below its capability (else the lowest one), fitted to its
 #: shared memory by :func:`fit_to_shared_memory`.
 TUNED_CONFIGS = {(9, 0): CONFIG_BUCKETS}
+#: The smallest expert (bytes of its w13 and w2) that keeps its bucket's group_m; smaller experts sweep with
+#: group_m = 1. H200, 2026-12-02 (BENCHMARKS.md, "One tile table for every shape"): group_m = 8 against 1 timed
+#: 0.84-0.91x on Mixtral (352 MB an expert) at T = 1024-16384, 0.97-1.00x at 129-512 rows an expert on four
+#: shapes of 9-50 MB experts, and 1.02-1.12x on those shapes above 512 rows (GPT-OSS-20B's 50 MB: 1.12x). No
+#: expert between 50 and 352 MB was timed: the bound sits at their geometric middle, so DeepSeek-V3's 88 MB
+#: experts keep group_m = 1.
+GROUP_M_MIN_EXPERT_BYTES = 128 << 20
 #: Shared memory kept free of the pipeline's stages for the epilogue, and with the fused LoRA's expand operands
 #: beside them (measured on the H200, 227 KB a block: 200 KB of stages ran, and 216 KB with the operands).
 _EPILOGUE_RESERVE = 27 * 1024
@@ -153,7 +160,8 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
 
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
                   dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0,
-                  device: torch.device | DeviceLimits | None = None, lora_own: bool = False) -> GemmConfig:
+                  device: torch.device | DeviceLimits | None = None, lora_own: bool = False,
+                  expert_bytes: int = 0) -> GemmConfig:
     """Tile sizes by rows per local expert, from the tuned table of the device's compute capability. Decode is
     weight-bandwidth bound (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for
     tensor-core reuse). The pipeline's depth then shrinks to the device's shared memory (fp32 operands take twice
@@ -163,7 +171,8 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     expand operands beside the pipeline's stages in shared memory (measured: 196608 B + 16384 B for 16 columns at
     128x128x64, 4 stages), so the pipeline gives up stages for them; the BLOCK_M = 16 decode tiles showed no such
     growth. ``lora_own``: ``lora_columns`` is the adapter loop's R_PAD (see :func:`shared_memory_bytes`).
-    ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`."""
+    ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`. ``expert_bytes``: one local
+    expert's w13 and w2 bytes; the bucket's ``group_m`` holds only from GROUP_M_MIN_EXPERT_BYTES on."""
     if not isinstance(device, DeviceLimits):
         if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
             return GemmConfig(16, 32, 32, 4, 1)
@@ -172,6 +181,8 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
+    if expert_bytes < GROUP_M_MIN_EXPERT_BYTES:
+        cfg = replace(cfg, group_m=1)
     return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory, lora_own)
 
 
