@@ -13,9 +13,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} MPLBACKEND=Agg
 OUT=${OUT:-build/device_tune}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
 
-UNSEEN="--quick --check-tokens 4 --peers none --shape 128,8,4096,1536,deepseek-v3 --tokens 128,1024,4096"
+UNSEEN=(--quick --check-tokens 4 --peers none --shape "128,8,4096,1536;deepseek-v3" --tokens 128,1024,4096)
 el "unseen, current table"
-timeout -s INT 55 python3 -m moelab.bench $UNSEEN --time-budget 45 --out "$OUT/unseen_before.json" \
+timeout -s INT 55 python3 -m moelab.bench "${UNSEEN[@]}" --time-budget 45 --out "$OUT/unseen_before.json" \
   > "$OUT/unseen_before.md" 2> "$OUT/unseen_before.err"
 echo "rc=$?"; grep -m1 -A9 "median µs" "$OUT/unseen_before.md"
 
@@ -28,7 +28,7 @@ git diff --stat 2>/dev/null; cat moelab/kernels/moe_gemm_configs.json
 
 el "bench"
 timeout -s INT "${BENCH_S:-170}" python3 -m moelab.bench --quick --check-tokens 4 --peers none \
-  --shape qwen3-30b-a3b,olmoe,gpt-oss-20b,mixtral,64,6,2048,1408,128,8,4096,1536,deepseek-v3 \
+  --shape "qwen3-30b-a3b;olmoe;gpt-oss-20b;mixtral;64,6,2048,1408;128,8,4096,1536;deepseek-v3" \
   --tokens "${BENCH_TOKENS:-32,128,1024,4096}" --time-budget "${BENCH_BUDGET:-135}" --out "$OUT/bench.json" \
   > "$OUT/bench.md" 2> "$OUT/bench.err"
 echo "rc=$?"; tail -3 "$OUT/bench.err"; grep -A32 "median µs" "$OUT/bench.md" | head -80

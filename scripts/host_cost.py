@@ -4,11 +4,14 @@
     python scripts/host_cost.py --shape qwen3-30b-a3b --tokens 1 --rounds 9 --calls 300
     python scripts/host_cost.py --profile 2000                    # + where the host time goes (cProfile)
     python scripts/host_cost.py --launches a.json                 # + what Triton was asked to compile (CPU only)
+    python scripts/host_cost.py --lora 16                         # LoRAExperts, one rank-16 adapter on every token
     PYTHONPATH=/path/to/other/tree python scripts/host_cost.py    # another tree's moelab (the path printed first)
 
 Each shape and T: the call the bench's "moelab triton" row makes (packed routing words, ``validate=False``, plain
 SwiGLU unless ``--activation``/``--bias``), repeated ``--calls`` times back to back in each of ``--rounds`` rounds;
-the best round's µs per call, and per kernel launch.
+the best round's µs per call, and per kernel launch. ``--lora R[,R...]``: the bench's "moelab LoRAExperts" row
+instead (``has_lora=True``, ``validate=False``): a bank of one adapter per rank given, the tokens spread over them
+in turn (``--lora 16``: table 5's one rank-16 adapter on every token).
 
 Without a CUDA GPU (any CPU box): moelab's kernels are built as they are for a GPU (``TRITON_INTERPRET=0``:
 :class:`moelab.kernels.launch.CachedLaunchJIT`, not the interpreter), and Triton is stubbed below them: its
@@ -99,8 +102,9 @@ def _stub_triton() -> None:
     triton_backend.unavailable_reason = lambda device: None
 
 
-def make_call(shape: str, T: int, activation: str, bias: bool):
-    """The bench's eager call of ``shape`` at ``T`` tokens (returns a function of no arguments)."""
+def make_call(shape: str, T: int, activation: str, bias: bool, lora_ranks: list[int] | None = None):
+    """The bench's eager call of ``shape`` at ``T`` tokens (returns a function of no arguments); with
+    ``lora_ranks``, its ``LoRAExperts`` call of a bank of those adapters, token t on adapter t % len."""
     s = SHAPES[shape]
     dev, dt = ("cuda" if CUDA else "cpu"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -119,6 +123,16 @@ def make_call(shape: str, T: int, activation: str, bias: bool):
     ids = torch.rand(T, s.E, device=dev, generator=g).argsort(dim=1)[:, :s.K].int()
     packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, s.K, device=dev, generator=g))
     E, K = s.E, s.K
+    if lora_ranks:
+        bank = moelab.LoRABank(len(lora_ranks), E, s.H, s.I, max(lora_ranks), dtype=dt, device=dev)
+        for slot, r in enumerate(lora_ranks):  # the values do not matter here: the call's path does
+            bank.set(slot, **{name: torch.zeros(E, *dims, dtype=dt, device=dev) for name, dims in (
+                ("gate_a", (r, s.H)), ("up_a", (r, s.H)), ("gate_b", (s.I, r)), ("up_b", (s.I, r)),
+                ("down_a", (r, s.I)), ("down_b", (s.H, r)))})
+        mod = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+        weights = torch.rand(T, K, device=dev, generator=g)
+        lora_ids = (torch.arange(T, device=dev) % len(lora_ranks)).int()
+        return lambda: mod(x, weights, ids, lora_ids, has_lora=True, validate=False)
     return lambda: moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
 
 
@@ -186,7 +200,7 @@ def graph_us(call, calls: int) -> float:
 
 
 def measure(shape: str, T: int, a) -> None:
-    call = make_call(shape, T, a.activation, a.bias)
+    call = make_call(shape, T, a.activation, a.bias, a.lora and [int(r) for r in a.lora.split(",")])
     for _ in range(20):  # first launches: Triton's dispatch (and on a GPU the compile)
         call()
     n = launches_per_call(call)
@@ -215,6 +229,7 @@ def main() -> None:
     p.add_argument("--bias", action="store_true", help="GEMM1 and GEMM2 biases")
     p.add_argument("--profile", type=int, default=0, help="also N calls under cProfile, by own time")
     p.add_argument("--launches", help="CPU: write what Triton's run was asked to launch to this JSON file")
+    p.add_argument("--lora", help="LoRAExperts with one adapter of each rank of this comma list (e.g. 16)")
     a = p.parse_args()
     if not CUDA:
         _stub_triton()

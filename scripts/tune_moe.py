@@ -28,7 +28,14 @@ import triton
 
 import moelab
 from moelab.backends import triton_backend as tb
-from moelab.kernels.moe_gemm import CONFIG_FILE, GemmConfig, choose_config
+from moelab.kernels.moe_gemm import (
+    CONFIG_FILE,
+    GROUP_M_MIN_EXPERT_BYTES,
+    GemmConfig,
+    choose_config,
+    device_limits,
+    fit_to_shared_memory,
+)
 from moelab.kernels.segments import build_segments_triton
 from moelab.lab import rel_err
 from moelab.permutation import build_segments, local_expert_of_slot
@@ -43,7 +50,8 @@ def bucket_of(rows_per_expert):
 
 def candidates(rows_per_expert, default, groups=None):
     """Likely winners first (the sweep stops at its time budget). (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-    The grid follows the bucket, so every point of a bucket times the same candidates (``--aggregate``)."""
+    The grid follows the bucket, so the points of a bucket get the same list (``--aggregate``; a point's budget
+    can still cut it short)."""
     rows_per_expert = bucket_of(rows_per_expert)
     if rows_per_expert <= 4:  # weight streaming: many programs, deep pipelines
         grid = [(16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3),
@@ -66,6 +74,21 @@ def candidates(rows_per_expert, default, groups=None):
             v = dataclasses.replace(c, group_m=g)
             if v not in out:
                 out.append(v)
+    return out
+
+
+def as_run(configs, expert_bytes, keep_group_m=False):
+    """The candidates as the backend runs them, duplicates dropped: stages fitted to the GPU's shared memory beside
+    the epilogue (``fit_to_shared_memory``), group_m 1 for experts below GROUP_M_MIN_EXPERT_BYTES (unless
+    ``--group-m`` asks for group sizes explicitly)."""
+    smem = device_limits(torch.device("cuda")).shared_memory
+    out = []
+    for cfg in configs:
+        cfg = fit_to_shared_memory(cfg, 2, 0, smem)
+        if expert_bytes < GROUP_M_MIN_EXPERT_BYTES and not keep_group_m:
+            cfg = dataclasses.replace(cfg, group_m=1)
+        if cfg not in out:
+            out.append(cfg)
     return out
 
 
@@ -161,10 +184,11 @@ def tune_shape(shape, args):
         print(f"T={T} segments torch {seg_ms*1e3:.1f} us, triton {seg_tr_ms*1e3:.1f} us", flush=True)
         results = []
         start = time.time()
-        default = choose_config(T, K, E, expert_bytes=(w13[0].numel() + w2[0].numel()) * w13.element_size())
-        # ^ the current file's config, as the backend picks it for these experts, timed beside the candidates
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        default = choose_config(T, K, E, expert_bytes=expert_bytes)  # the current file's, as the backend runs it
         groups = args.group_m and [int(g) for g in args.group_m.split(",")]
-        for cfg in candidates(T * K / E, default, groups)[:args.max_configs]:
+        for cfg in as_run(candidates(T * K / E, default, groups), expert_bytes, args.group_m is not None)[
+                :args.max_configs]:
             if time.time() - start > args.budget_s:
                 break
             try:
