@@ -199,8 +199,9 @@ class LoRAExperts(nn.Module):
         # The checks routed_moe and the deltas make, once, before any launch (the backend trusts its call).
         check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=False)  # ids: below
         weights = topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
+        # output=None: validate_call's one-predicate path for well-formed calls (the output above is ours)
         moe = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
-                            self.local_expert_offset, None, True, output, validate=False)
+                            self.local_expert_offset, None, True, None, validate=False)
         if validate:  # expert ids, and adapter ids in [-1, L) naming set slots (fast path or not): one host read
             check_ids_once(topk_ids, self.num_experts, self.lora, lora_ids)
         if lora_ids is not None:
