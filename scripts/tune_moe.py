@@ -29,9 +29,10 @@ import triton
 import moelab
 from moelab.backends import triton_backend as tb
 from moelab.kernels.moe_gemm import (
+    CONFIG_BUCKETS,
     CONFIG_FILE,
-    GROUP_M_MIN_EXPERT_BYTES,
     GemmConfig,
+    as_launched,
     choose_config,
     device_limits,
     fit_to_shared_memory,
@@ -43,9 +44,9 @@ from moelab.roofline import SHAPES, get_shape
 
 
 def bucket_of(rows_per_expert):
-    """The upper bound of the config file's bucket holding ``rows_per_expert``."""
-    buckets = json.loads(CONFIG_FILE.read_text())["buckets"]
-    return next(b["max_rows_per_expert"] for b in buckets if rows_per_expert <= b["max_rows_per_expert"])
+    """The upper bound of the config file's bucket holding ``rows_per_expert`` (a sweep rewrites configs, not
+    bounds)."""
+    return next(limit for limit, _ in CONFIG_BUCKETS if rows_per_expert <= limit)
 
 
 def candidates(rows_per_expert, default, groups=None):
@@ -78,15 +79,13 @@ def candidates(rows_per_expert, default, groups=None):
 
 
 def as_run(configs, expert_bytes, keep_group_m=False):
-    """The candidates as the backend runs them, duplicates dropped: stages fitted to the GPU's shared memory beside
-    the epilogue (``fit_to_shared_memory``), group_m 1 for experts below GROUP_M_MIN_EXPERT_BYTES (unless
-    ``--group-m`` asks for group sizes explicitly)."""
+    """The bf16 candidates as the backend runs them (``as_launched``), duplicates dropped; with ``keep_group_m``
+    (``--group-m`` asks for group sizes explicitly) only their stages fitted."""
     smem = device_limits(torch.device("cuda")).shared_memory
     out = []
     for cfg in configs:
-        cfg = fit_to_shared_memory(cfg, 2, 0, smem)
-        if expert_bytes < GROUP_M_MIN_EXPERT_BYTES and not keep_group_m:
-            cfg = dataclasses.replace(cfg, group_m=1)
+        cfg = fit_to_shared_memory(cfg, 2, 0, smem) if keep_group_m else as_launched(cfg, 2, smem,
+                                                                                      expert_bytes=expert_bytes)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -142,8 +141,8 @@ def pick_by_bucket(points):
     print("\n| bucket (rows/expert <=) | points | current | winner | geomean winner/current | per point |")
     print("|---|---|---|---|---|---|")
     for bucket, pts in sorted(by_bucket.items()):
-        common = set.intersection(*(set(times) for _, _, _, times, current in pts if current in times))
-        if not common or any(current not in times for *_, times, current in pts):
+        common = set.intersection(*(set(times) for *_, times, _ in pts))
+        if any(current not in times for *_, times, current in pts):
             print(f"| {bucket:g} | {len(pts)} | - | no candidate timed at every point | | |")
             continue
 

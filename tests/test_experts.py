@@ -428,8 +428,7 @@ def test_lora_paths_on_the_gpu_tile_shapes(config, fused, device, monkeypatch):
     from moelab.kernels.moe_gemm import GemmConfig
 
     monkeypatch.setattr(triton_backend, "choose_config", lambda *a, **k: GemmConfig(*config))
-    triton_backend._layout.cache_clear()  # its cached configs are the interpreter's
-    monkeypatch.setattr(triton_backend, "_layout", triton_backend._layout.__wrapped__)
+    monkeypatch.setattr(triton_backend, "_layout", triton_backend._layout.__wrapped__)  # uncached: the config above
     T, K, E, H, I = 24, 2, 4, 64, 48  # ~12 rows an expert: one row tile of either size holds several adapters
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, torch.float32, device)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton", fused=fused,

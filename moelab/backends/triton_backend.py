@@ -190,9 +190,10 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     expert = expert or {}
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
+    expert_bytes = (w13.shape[1] * H + H * w2.shape[2]) * w13.element_size()  # one local expert's w13 and w2
     if token_major and lora is None and not round_weights and takes_token_major(
             T, K, do_finalize, delta is not None, x.is_cuda and torch.cuda.is_current_stream_capturing(),
-            num_local_experts=E_local, expert_bytes=(w13.shape[1] * H + H * w2.shape[2]) * w13.element_size()):
+            num_local_experts=E_local, expert_bytes=expert_bytes):
         if output is None:
             output = torch.empty(T, H, dtype=x.dtype, device=x.device)
         token_major_moe(routing, expert_weights, x, w13, w2, output, local_expert_offset=local_expert_offset,
@@ -204,8 +205,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
-                                               config, lora is not None and lora.adapter_loop,
-                                               (w13.shape[1] * H + H * w2.shape[2]) * w13.element_size())
+                                               config, lora is not None and lora.adapter_loop, expert_bytes)
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)

@@ -181,9 +181,16 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
+    return as_launched(cfg, torch.finfo(dtype).bits // 8, device.shared_memory, lora_columns, lora_own, expert_bytes)
+
+
+def as_launched(cfg: GemmConfig, itemsize: int, shared_memory: int, lora_columns: int = 0, lora_own: bool = False,
+                expert_bytes: int = 0) -> GemmConfig:
+    """A table entry ``cfg`` as the GEMMs launch it: group_m 1 for experts below GROUP_M_MIN_EXPERT_BYTES, and the
+    stages fitted to ``shared_memory`` (:func:`fit_to_shared_memory`; the other arguments as there)."""
     if expert_bytes < GROUP_M_MIN_EXPERT_BYTES:
         cfg = replace(cfg, group_m=1)
-    return fit_to_shared_memory(cfg, torch.finfo(dtype).bits // 8, lora_columns, device.shared_memory, lora_own)
+    return fit_to_shared_memory(cfg, itemsize, lora_columns, shared_memory, lora_own)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
