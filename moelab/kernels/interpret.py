@@ -14,6 +14,15 @@ holds its old value again: the twins go, and so do the patches Triton's interpre
 ``triton.language.core`` when a kernel calls a library function (a user's kernel calling ``tl.zeros`` then failed to
 compile for a GPU target).
 
+One thing the interpreter does differently from a GPU is patched for the duration of a launch too: its ``tl.dot`` is
+one ``numpy.matmul`` of the whole tile in the accumulator's dtype, and a BLAS may sum a row in another order when it
+sits elsewhere in the tile (an edge of its blocking), so the same row could come out of two tiles a last bit apart.
+On a GPU a row's result does not depend on its neighbours, and moelab promises rows that are bit for bit the same
+across paths that place them differently (``LoRAExperts``' tokens without an adapter, rows sorted by adapter). During
+a moelab launch a floating-point ``tl.dot`` multiplies in float64 and rounds once to the accumulator's dtype
+(:func:`_create_dot`): exact products, a row's sum whatever its place (to float64 rounding, far below the final
+rounding), then the accumulator added as before.
+
 Nothing else changes: no environment variable and no Triton knob is set, even during a launch, so a kernel defined
 meanwhile is a compiled ``JITFunction`` and a child process (pytest-xdist worker, torch.distributed rank) decides
 for itself when it imports moelab. Threads: launches are serialized by one lock (Triton's interpreter keeps its grid
@@ -27,9 +36,10 @@ import sys
 import threading
 import types
 
+import numpy as np
 import torch
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, TensorHandle
 from triton.runtime.jit import JITFunction, mangle_type
 
 _lock = threading.RLock()
@@ -47,11 +57,28 @@ class ScopedInterpretedFunction(InterpretedFunction):
         with _lock:
             _warm_up()
             saved = _save_language()
+            create_dot = InterpreterBuilder.create_dot
             try:
                 _swap_library(saved)
+                InterpreterBuilder.create_dot = _create_dot
                 return super().run(*args, grid=grid, warmup=warmup, **kwargs)
             finally:
+                InterpreterBuilder.create_dot = create_dot
                 _restore_language(saved)
+
+
+_interpreter_dot = InterpreterBuilder.create_dot
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's ``tl.dot`` with a row's result independent of its place in the tile (module docstring):
+    floating operands multiplied in float64, rounded once to the accumulator's dtype, the accumulator added."""
+    acc = d.data.dtype
+    if not (np.issubdtype(acc, np.floating) and np.issubdtype(a.data.dtype, np.floating)
+            and np.issubdtype(b.data.dtype, np.floating)) or a.dtype.primitive_bitwidth == 8:
+        return _interpreter_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(acc)
+    return TensorHandle(product + d.data, d.dtype.scalar)
 
 
 def _warm_up() -> None:
