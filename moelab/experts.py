@@ -56,6 +56,9 @@ __all__ = ["LoRAExperts"]
 #:                      (batches of up to ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots)
 #:     "adapter-loop"   fused, each row's own adapter: the GEMM tiles loop over the adapters present in them
 #:                      (any bank; its decode or tile mode by batch size as above)
+#:     "token-major"    fused, each token's own adapter in the token-major decode kernels, three launches (any
+#:                      bank; ``moelab/kernels/token_major.py``; taken left to itself where the base MoE of the
+#:                      same call would take it, ``moelab.backends.triton_backend.takes_token_major``)
 #:     "flow"           vLLM's unfused flow, the delta kernel's mode by batch size (what ``fused=False`` runs)
 #:     "flow-grouped"   vLLM's unfused flow, the delta kernel over tiles grouped by (adapter, expert)
 #:     "flow-per-slot"  vLLM's unfused flow, the delta kernel one program per slot (no grouping; Triton only)
@@ -66,8 +69,8 @@ __all__ = ["LoRAExperts"]
 #: (BENCHMARKS.md, "Wide LoRA banks"). The crossovers stand at the constants that choose: ``MAX_FUSED_LORA_COLUMNS``,
 #: ``FUSED_DECODE_MAX_SLOTS`` and ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` of ``moelab.backends.triton_backend``,
 #: ``moelab.lora.PER_SLOT_MAX_BYTES``.
-LORA_PATHS = ("tiles", "decode", "adapter-loop", "flow", "flow-grouped", "flow-per-slot")
-FUSED_MODES = LORA_PATHS[:3]
+LORA_PATHS = ("tiles", "decode", "adapter-loop", "token-major", "flow", "flow-grouped", "flow-per-slot")
+FUSED_MODES = LORA_PATHS[:4]
 
 
 class LoRAExperts(nn.Module):
@@ -84,7 +87,8 @@ class LoRAExperts(nn.Module):
             max_rank padded to powers of two and multiplied; a wider bank through the adapter loop at small batches,
             ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` there, and vLLM's flow above); True: fold at every batch size,
             raise where the backend cannot; False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one
-            path (tests, benchmarks): "tiles" / "decode" / "adapter-loop", a mode of the fused path, or "flow" /
+            path (tests, benchmarks): "tiles" / "decode" / "adapter-loop" / "token-major", a mode of the fused
+            path, or "flow" /
             "flow-grouped" / "flow-per-slot", the unfused flow with that mode of the delta kernel; a path this
             backend or bank cannot run raises.
 

@@ -340,6 +340,7 @@ def test_base_path_under_torch_compile(device):
     ("decode", ["decode_segments_w13_shrink"]),
     ("tiles", ["shrink_w13_tiles"]),
     ("adapter-loop", ["adapter_loop_decode_launch"]),  # the adapter loop, its decode mode at this size
+    ("token-major", ["slot_w13_shrink"]),  # the token-major kernels' own shrink launch
     (False, ["per-slot delta", "per-slot delta"]),  # the flow, delta kernel by batch size: per slot here
     ("flow", ["per-slot delta", "per-slot delta"]),
     ("flow-per-slot", ["per-slot delta", "per-slot delta"]),
@@ -355,7 +356,7 @@ def test_fused_argument_forces_each_lora_path(fused, launches, device, monkeypat
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton", fused=fused,
                                  lora=make_bank(adapters, E, 0, H, I, 8, torch.float32, device))
     calls = []
-    for name in ("decode_segments_w13_shrink", "shrink_w13_tiles", "adapter_loop_decode_launch"):
+    for name in ("decode_segments_w13_shrink", "shrink_w13_tiles", "adapter_loop_decode_launch", "slot_w13_shrink"):
         original = getattr(fused_lora, name)
         monkeypatch.setattr(fused_lora, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
     launch = delta_kernel.lora_shrink_expand_triton
@@ -371,7 +372,7 @@ def test_forced_path_the_backend_cannot_run_raises(device):
     E, K, H, I = 4, 2, 16, 16
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(3, K, E, H, I, torch.float32, device)
     bank = make_bank(adapters, E, 0, H, I, 8, torch.float32, device)
-    for path in ("tiles", "decode", "adapter-loop"):
+    for path in ("tiles", "decode", "adapter-loop", "token-major"):
         with pytest.raises(ValueError, match="fused.*cannot fold"):
             moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused=path)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch", fused="flow-per-slot")

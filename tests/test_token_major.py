@@ -251,21 +251,122 @@ def test_under_torch_compile(device, paths):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_tiled_routed_moe_is_what_lora_experts_rows_equal(device, monkeypatch):
-    """``routed_moe(call, token_major=False)`` (the bench's base for its bit-for-bit check) equals a LoRAExperts
-    call without adapters bit for bit, at a size where plain ``routed_moe`` takes the token-major kernels."""
-    from moelab.moe import validate_call
+# ---------------------------------------------------------------------------------------------- LoRA (three launches)
 
-    T, K, E, H, I = 2, 2, 32, 64, 32
-    p = _problem(T, K, E, H, I, device=device, seed=0)
-    weights = moelab.prepare_weights(p["w13"], p["w2"], backend="triton")
-    packed = moelab.pack_topk_ids_weights(p["ids"], p["w"])
-    call = validate_call(packed, p["x"], weights, E, K, 0, None, True, None, False)
-    assert triton_backend.takes_token_major(T, K, True, False, num_local_experts=E,
-                                            expert_bytes=3 * H * I * 4), "the default call must take token-major"
-    tiled = triton_backend.routed_moe(call, token_major=False).output
-    experts = moelab.LoRAExperts(p["w13"], p["w2"], num_experts=E, top_k=K, backend="triton")
-    assert torch.equal(tiled, experts(p["x"], p["w"], p["ids"], None))
-    ref = reference.routed_moe(p["ids"], reference.bf16_round(p["w"]), p["x"], p["w13"], p["w2"])["output"]
-    assert_close_to_reference(moelab.routed_moe(packed, p["x"], weights, num_experts=E, top_k=K)[0], ref,
-                              torch.float32, "token-major")
+def _lora_problem(T, K, E, H, I, dtype, device, *, ranks, max_rank, lora_ids, seed, E_local=None, offset=0):
+    from test_experts import make_bank, make_problem
+    x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=len(ranks), ranks=ranks,
+                                                          seed=seed, lora_ids=lora_ids)
+    E_local = E if E_local is None else E_local
+    w13, w2 = w13[offset:offset + E_local].contiguous(), w2[offset:offset + E_local].contiguous()
+    bank = make_bank(adapters, E_local, offset, H, I, max_rank, dtype, device)
+    return x, ids, w, w13, w2, lora_ids, bank
+
+
+def _poison_empty(monkeypatch):
+    """Every float buffer ``torch.empty`` hands out starts as NaN (the output, the activation, the rank vectors):
+    an element no kernel wrote, or a rank vector read where none was written, cannot pass."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.dtype.is_floating_point
+                                                         else t)(empty(*a, **k)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ranks, max_rank", [((4, 8, 2), 8), ((64, 8, 3), 64)], ids=["narrow", "wide-mixed"])
+def test_lora_against_reference(ranks, max_rank, dtype, device, paths, monkeypatch):
+    """``LoRAExperts`` left to itself at a token-major size: its LoRA call and its base call both take the path (one
+    launch each), the output matches the float64 reference, the LoRA part alone too, and the token without an
+    adapter is the base call's row bit for bit. A bank of 3 adapters (narrow: stacked 64 columns; wide: ranks 64, 8
+    and 3 in R_PAD 64, mostly padding), K not a power of two, H and I off the tiles, every float buffer poisoned."""
+    _poison_empty(monkeypatch)
+    T, K, E, H, I = 4, 3, 8, 40, 24  # 12 slots
+    lora_ids = torch.tensor([2, -1, 0, 1])
+    x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, dtype, device, ranks=ranks, max_rank=max_rank,
+                                                       lora_ids=lora_ids, seed=max_rank)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    out = experts(x, w, ids, lora_ids)
+    base = experts(x, w, ids, None)
+    assert paths["token_major"] == 2, "the LoRA call and the base call both take the token-major path"
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test to mean anything"
+    assert_close_to_reference(out, ref["output"], dtype, "token-major LoRA output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "token-major LoRA part")
+    none = (lora_ids < 0).to(out.device)
+    assert torch.equal(out[none], base[none]), "a token without an adapter must be the base call's row bit for bit"
+    assert not torch.equal(out[~none], base[~none])
+
+
+@pytest.mark.parametrize("E_local, offset", [(3, 2), (8, 0)], ids=["window", "all-local"])
+def test_lora_expert_parallel_and_forced(E_local, offset, device):
+    """``fused="token-major"`` at a size the rule would not pick (K = 2 of 8 experts: too many slots per expert),
+    under an expert-parallel window: non-local slots add nothing (their rank vectors are never written or read),
+    token 0 has no local expert (a zero row), and the result matches the reference's partial sum."""
+    T, K, E, H, I = 5, 2, 8, 32, 48
+    lora_ids = torch.tensor([1, 0, -1, 1, 0])
+    x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, torch.float32, device, ranks=(8, 5),
+                                                       max_rank=8, lora_ids=lora_ids, seed=7, E_local=E_local,
+                                                       offset=offset)
+    if E_local < E:
+        ids[0] = torch.tensor([0, 7], dtype=ids.dtype)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, local_expert_offset=offset, lora=bank,
+                                 backend="triton", fused="token-major")
+    seen = []
+    original = triton_backend.token_major_moe
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_backend, "token_major_moe", lambda *a, **k: seen.append(k["bank"]) or original(*a, **k))
+        out = experts(x, w, ids, lora_ids)
+        base = experts(x, w, ids, None)
+    assert seen == [bank, None]
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank, local_expert_offset=offset)
+    assert_close_to_reference(out, ref["output"], torch.float32, "forced token-major, EP")
+    if E_local < E:
+        assert torch.equal(out[0], torch.zeros_like(out[0])), "a token with no local expert must be a zero row"
+    none = (lora_ids < 0).to(out.device)
+    assert torch.equal(out[none], base[none])
+
+
+def test_lora_follows_the_base_rule(device):
+    """Left to itself, ``LoRAExperts`` takes the token-major path exactly where ``routed_moe`` would for the same
+    call (the rule's own limits, not lifted here), with and without adapters."""
+    seen = []
+    original = triton_backend.token_major_moe
+    K, E, H, I = 2, 16, 32, 16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_backend, "token_major_moe", lambda *a, **k: seen.append(1) or original(*a, **k))
+        for T in (2, 3):  # 4 slots over 16 experts: token-major; 6 slots: fewer than 4 experts a slot, tiled
+            x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, torch.float32, device, ranks=(4,),
+                                                               max_rank=4, lora_ids=torch.zeros(T, dtype=torch.long),
+                                                               seed=T)
+            expect = int(triton_backend.takes_token_major(T, K, True, False, num_local_experts=E,
+                                                          expert_bytes=(w13[0].numel() + w2[0].numel()) * 4))
+            assert expect == (T == 2)
+            experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+            for ids_of_call in (lora_ids, None):
+                before = len(seen)
+                experts(x, w, ids, ids_of_call)
+                assert len(seen) - before == expect, f"T={T}, lora_ids={ids_of_call}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
+def test_lora_cuda_graph_capture_and_replay():
+    """The forced token-major LoRA path captured in a CUDA graph (PDL between its three launches on Hopper),
+    replayed on fresh inputs and adapter ids copied in, then after ``bank.set`` reloads a slot at a higher rank (the
+    rank table is read on the device): right against the reference each time."""
+    from test_experts import make_problem
+    T, K, E, H, I, dtype, device = 2, 8, 64, 512, 256, torch.bfloat16, torch.device("cuda")
+    x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, dtype, device, ranks=(16, 8), max_rank=32,
+                                                       lora_ids=torch.tensor([1, -1]), seed=3)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="token-major")
+    replay = graphed(lambda: experts(x, w, ids, lora_ids, has_lora=True, validate=False), device)
+    x2, ids2, w2_, *_ = make_problem(T, K, E, H, I, dtype, device, L=2, ranks=(16, 8), seed=4,
+                                     lora_ids=torch.tensor([0, 1]))
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2_), lora_ids.copy_(torch.tensor([0, 1], device=device))
+    for step in ("replay", "after set"):
+        if step == "after set":  # slot 1 (rank 8) reloaded at rank 32
+            a = make_problem(1, K, E, H, I, dtype, "cpu", L=1, ranks=(32,), seed=12)[-1][0]
+            bank.set(1, scaling=0.5, **{k: v.to(dtype).to(device) for k, v in a.items()})
+        out = poison(replay.out)
+        replay()
+        torch.cuda.synchronize()
+        ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+        assert_close_to_reference(out, ref["output"], dtype, f"graph {step}")

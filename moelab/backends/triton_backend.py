@@ -11,8 +11,8 @@ This module only orchestrates; each step's launcher lives beside its kernels in 
     GEMM2 + bias                   kernels/moe_gemm.py   gemm2 (+ the LoRA expand)
     finalize                       kernels/finalize.py   finalize_triton
 
-A decode-sized call that asks for the output only (no delta, no LoRA bank) may run ``kernels/token_major.py``
-instead, where :func:`takes_token_major` says: GEMM1 by slot and GEMM2 with the top-k combine, two launches.
+A decode-sized call that asks for the output only (no delta) may run ``kernels/token_major.py`` instead, where
+:func:`takes_token_major` says: GEMM1 by slot and GEMM2 with the top-k combine, two launches (a LoRA bank: three).
 
 The tile of the permuted space is the GEMMs' BLOCK_M (``moe_gemm.choose_config``), so a tile never mixes experts.
 While a CUDA graph is captured on Hopper or newer, the kernels are chained by programmatic dependent launch
@@ -123,8 +123,9 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 
 #: When the two-launch token-major path (``moelab/kernels/token_major.py``) runs instead of the tiled pipeline, for
-#: calls that ask for the output only (the permuted intermediates, ``do_finalize=False`` or a delta, and
-#: ``LoRAExperts``, whose base rows must equal its LoRA path's bit for bit, always take the tiled pipeline):
+#: calls that ask for the output only (the permuted intermediates, ``do_finalize=False`` or a delta always take the
+#: tiled pipeline). ``LoRAExperts`` follows the same rule with and without adapters (its base rows then equal its
+#: LoRA path's bit for bit, both token-major or both tiled), its bank adding one launch:
 #:
 #: - eagerly, at most ``TOKEN_MAJOR_MAX_SLOTS`` slots (T*K) that rarely share an expert
 #:   (``TOKEN_MAJOR_EXPERTS_PER_SLOT`` local experts or more per slot: each slot streams its expert's weights
@@ -164,6 +165,11 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
     return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES
 
 
+def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """Bytes of one local expert's w13 and w2."""
+    return (w13[0].numel() + w2[0].numel()) * w13.element_size()
+
+
 def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, num_experts: int, local_expert_offset: int, delta: torch.Tensor | None,
               do_finalize: bool, output: torch.Tensor | None = None,
@@ -190,7 +196,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     expert = expert or {}
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if expert.get("gated", True) else 1)
-    expert_bytes = (w13.shape[1] * H + H * w2.shape[2]) * w13.element_size()  # one local expert's w13 and w2
+    expert_bytes = _expert_bytes(w13, w2)
     if token_major and lora is None and not round_weights and takes_token_major(
             T, K, do_finalize, delta is not None, x.is_cuda and torch.cuda.is_current_stream_capturing(),
             num_local_experts=E_local, expert_bytes=expert_bytes):
@@ -344,12 +350,15 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     pipeline, the bank folded into its GEMMs (the W13 and W2 shrinks, extra launches but at decode; no [T,K,2I] or
     [T,K,H] delta); else, and for the base MoE under ``torch.compile`` (one registered custom op), vLLM's unfused
     flow. The pipeline reads the ids and the caller's weights directly (no packing launches) and weights the base
-    term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the tiled
-    packed base pipeline's. No path here takes the token-major kernels: every base row comes from the same tiled
-    GEMMs (``routed_moe``'s token-major decode calls agree with them to rounding only)."""
+    term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the base
+    call's: both take the same GEMMs, the tiled pipeline or, where :func:`takes_token_major` says (or
+    ``fused="token-major"``), the token-major kernels with each token's adapter (``routed_moe``'s token-major calls
+    weight by the packed bf16(w) too, but agree with the tiled GEMMs to rounding only)."""
     tiled = functools.partial(routed_moe, token_major=False)
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, tiled)
+    if _lora_token_major(call):
+        return call.output
     wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)  # left to the module
     if wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts:
         return lora_flow.lora_experts(call, tiled)  # a wide bank past the adapter loop's crossover
@@ -368,3 +377,21 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
               W.gemm2_weights, call.num_experts, call.local_expert_offset, None, True, output=call.output, lora=lora,
               round_weights=True, expert=_expert_options(W), w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias)
     return call.output
+
+
+def _lora_token_major(call: LoRAExpertsCall) -> bool:
+    """Run ``call`` (bank or not) on the token-major path into ``call.output`` where it takes it: forced by
+    ``fused="token-major"``, or left to the module where :func:`takes_token_major` says (the batch's adapters do not
+    enter the rule, so a call with and one without them take the same path)."""
+    W, x = call.weights, call.hidden_states
+    T, K = call.topk_ids.shape
+    if call.path != "token-major" and (call.path is not None or not takes_token_major(
+            T, K, True, False, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+            num_local_experts=W.num_local_experts, expert_bytes=_expert_bytes(W.gemm1_weights, W.gemm2_weights))):
+        return False
+    weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
+    token_major_moe(call.topk_ids.contiguous(), weights.contiguous(), x, W.gemm1_weights, W.gemm2_weights, call.output,
+                    local_expert_offset=call.local_expert_offset, w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias,
+                    pdl=_runtime.pdl_launch(x.device), round_weights=True, bank=call.lora,
+                    lora_ids=None if call.lora is None else call.lora_ids.contiguous(), **_expert_options(W))
+    return True

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bias", action="store_true", help="random GEMM1 and GEMM2 biases (base mode; GPT-OSS has them)")
     p.add_argument("--lora-paths", default="auto",
                    help="comma list of LoRAExperts paths to time: 'auto' (the module's choice) and the names of "
-                        "moelab.experts.LORA_PATHS (tiles, decode, adapter-loop, flow, flow-grouped, "
+                        "moelab.experts.LORA_PATHS (tiles, decode, adapter-loop, token-major, flow, flow-grouped, "
                         "flow-per-slot), each forced with fused=<name>; a path the bank or T cannot take is skipped "
                         "[auto]")
     p.add_argument("--ops", action="store_true", help="also unpermute_activation / finalize_with_w2_lora GB/s")

@@ -25,16 +25,13 @@ def build_moelab(ctx, backend: str):
     return lambda s: moelab.routed_moe(s.packed, s.x, W, num_experts=E, top_k=K, validate=False)[0]
 
 
-def build_moelab_tiled(ctx):
-    """``moelab.routed_moe`` on the triton backend's tiled pipeline at every batch size (its token-major decode
-    kernels ruled out): the base rows that ``LoRAExperts``' tokens without an adapter equal bit for bit."""
-    from moelab.backends import triton_backend
-    from moelab.moe import validate_call
-
-    W = moelab.prepare_weights(ctx.w13, ctx.w2, backend="triton", **ctx.expert)
-    E, K = ctx.shape.E, ctx.shape.K
-    return lambda s: triton_backend.routed_moe(validate_call(s.packed, s.x, W, E, K, 0, None, True, None, False),
-                                               token_major=False).output
+def build_lora_base(ctx, path: str | None = None):
+    """``moelab.LoRAExperts`` without a bank on the triton backend, ``fused=path`` as the LoRA call's (None: the
+    module's own choice): the base rows that the LoRA call's tokens without an adapter equal bit for bit (the tiled
+    pipeline, or the token-major kernels where the module takes them)."""
+    s = ctx.shape
+    mod = moelab.LoRAExperts(ctx.w13, ctx.w2, num_experts=s.E, top_k=s.K, backend="triton", fused=path)
+    return lambda st: mod(st.x, st.weights, st.ids, None, validate=False)
 
 
 def make_bank(ctx, ranks: list[int]) -> moelab.LoRABank:

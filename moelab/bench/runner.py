@@ -196,6 +196,7 @@ class Impl:
     graph: bool = False  # also time a CUDA-graph capture of it
     variant: str = "none"
     peer: str = ""  # the --peers key that selects it ("": moelab's main rows, always run)
+    lora_path: str | None = None  # moelab's LoRA rows: the ``fused=`` path whose base rows they equal bit for bit
 
 
 class Runner:
@@ -302,7 +303,7 @@ class Runner:
             finite = bool(torch.isfinite(out0).all())
             row.update(rel_err=err, tol=tol, checked_tokens=len(check["rows"]), all_finite=finite,
                        check="ok" if err < tol and finite else "FAIL")
-            base_out = base.get("base_out")
+            base_out = base.get("base_out", {}).get(impl.lora_path)
             lora_ids = sets[0].lora_ids.get(impl.variant)
             if impl.moelab and lora_ids is not None and base_out is not None and bool((lora_ids < 0).any()):
                 keep = lora_ids < 0  # tokens without an adapter: bit for bit the base path's output
@@ -383,10 +384,11 @@ def _lora_impls(ctx: Ctx, variants: list[LoRAVariant]) -> list[Impl]:
     for v in (v.name for v in variants):
         out += [Impl("moelab LoRAExperts" + (f" [{p}]" if p != "auto" else ""),
                      lambda v=v, p=p: impls.build_lora_experts(ctx, v, None if p == "auto" else p), moelab=True,
-                     graph=cuda, variant=v) for p in ctx.args.lora_paths.split(",")]
+                     graph=cuda, variant=v, lora_path=None if p == "auto" else p)
+                for p in ctx.args.lora_paths.split(",")]
         out += [
                 Impl("moelab LoRA ops", lambda v=v: impls.build_lora_ops(ctx, v), moelab=True, graph=cuda,
-                     variant=v, peer="lora-ops"),
+                     variant=v, peer="lora-ops", lora_path="flow"),  # the tiled pipeline's base rows
                 Impl("unfused LoRA (grouped_mm)", lambda v=v: peers.build_unfused_lora(ctx, v), variant=v,
                      peer="unfused"),
                 Impl("HF grouped_mm + PEFT", lambda v=v: peers.build_peft(ctx, v), variant=v, peer="peft")]
@@ -497,8 +499,9 @@ def _run_tokens(runner: Runner, ctx: Ctx, plan: list[Impl], variants: list[LoRAV
             ranks = torch.tensor(ctx.bank_of(v.name).ranks, dtype=torch.float64)
             base["lora_roof"][v.name] = _lora_roof(runner, shape, T, touched, sets, v.name, ranks)
             check["ref"][v.name] = reference_rows(ctx, sets[0], rows, v.name)
-        try:  # the tiled base pipeline's output, for the bit-for-bit check of tokens without an adapter
-            base["base_out"] = impls.build_moelab_tiled(ctx)(sets[0])
+        try:  # each path's base output, for the bit-for-bit check of tokens without an adapter
+            base["base_out"] = {p: impls.build_lora_base(ctx, p)(sets[0])
+                                for p in {i.lora_path for i in plan if i.moelab and i.variant != "none"}}
         except Exception as e:
             runner._emit({"mode": mode, "shape": shape.name, "routing": routing, "T": T, "variant": "none",
                           "impl": "moelab triton (base output for the bit-for-bit check)",

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TileLoRA", "DecodeLoRA", "AdapterLoopLoRA", "shrink_w13_tiles", "shrink_w2_tiles",
            "decode_segments_w13_shrink", "adapter_loop_decode_launch", "adapter_loop_shrink_w13",
-           "adapter_loop_shrink_w2", "adapter_sorted_segments"]
+           "adapter_loop_shrink_w2", "adapter_sorted_segments", "slot_w13_shrink"]
 
 
 # ---------------------------------------------------------------------------------------------- device functions
@@ -174,37 +174,63 @@ def _decode_segments_w13_shrink_kernel(
         one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots,
                            offset, num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
     else:
-        slot = (pid - 1) // (2 * R_PAD // COLS)
-        part = (pid - 1) % (2 * R_PAD // COLS)
-        c = part * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
-        expert = tl.load(values_ptr + slot).to(tl.int32) - offset
-        token = (slot // top_k).to(tl.int64)
-        adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
-        if (expert >= 0) & (expert < num_groups) & (adapter >= 0) & (adapter < num_loras):
-            is_gate, rank = c // R_PAD, c % R_PAD
-            a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
-            a_base = tl.where(is_gate == 1, gate_a_ptr + a_rows, up_a_ptr + a_rows)
-            if OWN:
-                ok = rank < tl.minimum(tl.load(ranks_ptr + adapter), max_rank)
-            else:
-                ok = rank < max_rank
-            acc = tl.zeros((COLS,), dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < H
-                xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
-                a = tl.load(a_base[:, None] + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-                acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
-            if OWN:  # the slot's own rank vector, every one of its R_PAD columns written
-                out = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + is_gate * R_PAD + rank
-                s2_row = s2_ptr + slot.to(tl.int64) * R_PAD
-            else:
-                out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD \
-                    + rank
-                s2_row = s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD
-            tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
-            if part == 0:
-                tl.store(s2_row + tl.arange(0, R_PAD), tl.zeros((R_PAD,), dtype=tl.float32))
+        slot_w13_shrink_step(pid - 1, values_ptr, offset, num_groups, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr,
+                             lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x, L_PAD, R_PAD, COLS, BLOCK_K,
+                             ranks_ptr, OWN)
+
+
+@jit
+def slot_w13_shrink_step(pid, ids_ptr, offset, num_groups, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr,
+                         lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x, L_PAD: tl.constexpr,
+                         R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr, ranks_ptr,
+                         OWN: tl.constexpr):
+    """Shrink program ``pid`` of the W13 shrink by slot (:func:`_decode_segments_w13_shrink_kernel` explains the
+    layouts): slot ``pid // (2 * R_PAD // COLS)``, COLS of its 2*R_PAD [up | gate] rank columns; ``ids_ptr`` the
+    global expert ids [T*K] (int), ``num_groups`` the local experts from ``offset`` on."""
+    slot = pid // (2 * R_PAD // COLS)
+    part = pid % (2 * R_PAD // COLS)
+    c = part * COLS + tl.arange(0, COLS)  # [up ranks | gate ranks] of the adapter
+    expert = tl.load(ids_ptr + slot).to(tl.int32) - offset
+    token = (slot // top_k).to(tl.int64)
+    adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
+    if (expert >= 0) & (expert < num_groups) & (adapter >= 0) & (adapter < num_loras):
+        is_gate, rank = c // R_PAD, c % R_PAD
+        a_rows = ((adapter * num_groups + expert).to(tl.int64) * max_rank + rank) * H  # [COLS]
+        a_base = tl.where(is_gate == 1, gate_a_ptr + a_rows, up_a_ptr + a_rows)
+        if OWN:
+            ok = rank < tl.minimum(tl.load(ranks_ptr + adapter), max_rank)
+        else:
+            ok = rank < max_rank
+        acc = tl.zeros((COLS,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < H
+            xv = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+            a = tl.load(a_base[:, None] + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+        if OWN:  # the slot's own rank vector, every one of its R_PAD columns written
+            out = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + is_gate * R_PAD + rank
+            s2_row = s2_ptr + slot.to(tl.int64) * R_PAD
+        else:
+            out = s13_ptr + slot.to(tl.int64) * (2 * L_PAD * R_PAD) + is_gate * (L_PAD * R_PAD) + adapter * R_PAD \
+                + rank
+            s2_row = s2_ptr + slot.to(tl.int64) * (L_PAD * R_PAD) + adapter * R_PAD
+        tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
+        if part == 0:
+            tl.store(s2_row + tl.arange(0, R_PAD), tl.zeros((R_PAD,), dtype=tl.float32))
+
+
+@jit
+def _slot_w13_shrink_kernel(
+    ids_ptr, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, ranks_ptr, offset, num_groups, H, top_k,
+    num_loras, max_rank, stride_x, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """The W13 shrink by slot alone, each slot's own adapter (the token-major path, which builds no segments)."""
+    wait_for_previous_kernel(USE_GDC)
+    slot_w13_shrink_step(tl.program_id(0), ids_ptr, offset, num_groups, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr,
+                         lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x, 1, R_PAD, COLS, BLOCK_K, ranks_ptr,
+                         True)
 
 
 @jit
@@ -682,6 +708,26 @@ def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
         stride_x=x.stride(0), **plan.meta, L_PAD=1, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
         num_warps=plan.num_warps, **pdl, ranks_ptr=lora.ranks, OWN=True)
     return lora
+
+
+def slot_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor, *,
+                    num_local_experts: int, local_expert_offset: int, pdl: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: each slot's own W13 rank vectors ``s13`` [T*K, 2, R_PAD] (input dtype, [up | gate]) and its W2
+    rank row ``s2`` [T*K, R_PAD] zeroed (fp32, for the atomics of the W2 shrink), as the adapter loop's decode
+    launch writes them but without segments (the token-major path, ``moelab/kernels/token_major.py``). Rows of
+    slots without an adapter or a local expert are not written. ``topk_ids`` int [T, K] contiguous."""
+    T, K = topk_ids.shape
+    H = x.shape[1]
+    r_pad = own_rank_pad(bank)
+    s13 = _scratch((T * K, 2, r_pad), x.dtype, x.device)
+    s2 = _scratch((T * K, r_pad), torch.float32, x.device)
+    block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+    _slot_w13_shrink_kernel[(T * K * (2 * r_pad // cols),)](
+        ids_ptr=topk_ids, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=s13, s2_ptr=s2,
+        lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), offset=local_expert_offset, num_groups=num_local_experts,
+        H=H, top_k=K, num_loras=bank.max_loras, max_rank=bank.max_rank, stride_x=x.stride(0), R_PAD=r_pad,
+        COLS=cols, BLOCK_K=block_k, num_warps=4, **pdl)
+    return s13, s2
 
 
 def sorts_by_adapter(num_slots: int, num_local_experts: int, num_loras: int, sub_m: int) -> bool:

@@ -19,17 +19,30 @@ rows [gate; up] or [E_local, I, H] up only, ``w2 [E_local, H, I]``), activations
 ``moelab/kernels/moe_gemm.py``. :func:`token_major_moe` launches both; the triton backend takes this path where
 ``takes_token_major`` says (``moelab/backends/triton_backend.py``: few slots over many experts, or one token of
 large experts, and only the output asked for; the rule's H200 measurements are beside it).
+
+LoRA (``bank=``, :class:`moelab.LoRAExperts` at the same sizes): each token reads its own adapter's A and B (any
+bank: nothing is stacked), one launch more, three in all:
+
+    shrink:  s13[s] = [A_up x[t] | A_gate x[t]] of the slot's adapter and expert (``fused_lora.slot_w13_shrink``)
+    gemm1:   acc += B s13[s] before the activation; s2[s] += A_down[:, cols] act[s, cols] (fp32 atomics)
+    gemm2:   each expert row += B_down bf16(s2[s] w / bf16(w)), then rounded and weighted by bf16(w)
+
+as the tiled pipeline's fused decode mode computes them (``moelab/kernels/fused_lora.py``): rank vectors rounded
+to the input dtype, the LoRA term weighted by the caller's w in the end. A slot without an adapter runs none of it,
+so its rows are the base path's bit for bit; the atomics may change a LoRA row's last bit from run to run.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton.language as tl
 
 from moelab import _runtime
+from moelab.kernels import fused_lora
 from moelab.kernels._common import (
     expert_activation,
     jit,
@@ -38,7 +51,11 @@ from moelab.kernels._common import (
     to_output,
     wait_for_previous_kernel,
 )
+from moelab.kernels.fused_lora import caller_weight_ratio, own_rank_pad
 from moelab.permutation import cdiv, next_pow2
+
+if TYPE_CHECKING:
+    from moelab.lora import LoRABank
 
 __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
 
@@ -102,19 +119,36 @@ def _slot_weight(routing_ptr, weights_ptr, slots, mask, PACKED: tl.constexpr):
 
 
 @jit
+def _token_adapter(lora_ids_ptr, ranks_ptr, token, num_loras, max_rank, R_PAD: tl.constexpr):
+    """(adapter, rank_ok) of ``token``: its adapter slot (-1 for none or an id outside the bank) and which of the
+    R_PAD rank columns its adapter has, bool [R_PAD]."""
+    adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
+    adapter = tl.where((adapter >= 0) & (adapter < num_loras), adapter, -1)
+    rank = tl.load(ranks_ptr + tl.maximum(adapter, 0))
+    return adapter, tl.arange(0, R_PAD) < tl.where(adapter >= 0, tl.minimum(rank, max_rank), 0)
+
+
+@jit
 def _token_major_gemm1_kernel(
     x_ptr, w13_ptr, act_ptr, routing_ptr, weights_ptr, bias_ptr,
     H, I, top_k, num_local_experts, local_expert_offset, stride_x_t, stride_w_e, stride_w_n,
     PACKED: tl.constexpr, IN_WEIGHT: tl.constexpr, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
     SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None, s13_ptr=None, up_b_ptr=None, gate_b_ptr=None,
+    down_a_ptr=None, s2_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
 ):
     """act [T*K, I] row ``slot`` = the activation of GEMM1 (+ bias) of the slot's token and expert, columns
-    ``program_id(1) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never reads them)."""
+    ``program_id(1) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never reads them).
+    ``LORA``: a slot whose token has an adapter adds its W13 expand before the activation and this column block's
+    share of its W2 shrink to ``s2`` (module docstring, "LoRA")."""
     wait_for_previous_kernel(USE_GDC)
     slot = tl.program_id(0)
     expert, local = _local_expert(tl.load(routing_ptr + slot), local_expert_offset, num_local_experts, PACKED)
     if local:
+        if LORA:  # read before the K loop, which hides the latency
+            adapter, rank_ok = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank, R_PAD)
+            pair = tl.maximum(adapter, 0) * num_local_experts + expert  # (adapter, expert) of the bank's tensors
+            r = tl.arange(0, R_PAD)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
@@ -142,8 +176,27 @@ def _token_major_gemm1_kernel(
                 acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        act = expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
-        tl.store(act_ptr + slot.to(tl.int64) * I + cols, to_output(act, act_ptr.dtype.element_ty), mask=col_ok)
+        if LORA:
+            if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink launch
+                s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + r
+                b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]  # B [.., I, max_rank]
+                b_mask = col_ok[:, None] & rank_ok[None, :]  # rank_ok is all False without an adapter
+                s_up = tl.load(s_row, mask=rank_ok, other=0.0).to(tl.float32)
+                acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32) * s_up[None, :], 1)
+                if GATED:
+                    s_gate = tl.load(s_row + R_PAD, mask=rank_ok, other=0.0).to(tl.float32)
+                    acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+                                       * s_gate[None, :], 1)
+        act = to_output(expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT),
+                        act_ptr.dtype.element_ty)
+        tl.store(act_ptr + slot.to(tl.int64) * I + cols, act, mask=col_ok)
+        if LORA:
+            if adapter >= 0:  # s2 += A_down[:, cols] act[cols], the stored (rounded) activation
+                a_offs = (pair * max_rank + r[None, :]) * I + cols.to(tl.int64)[:, None]  # A [.., max_rank, I]
+                a_t = tl.load(down_a_ptr + a_offs, mask=col_ok[:, None] & rank_ok[None, :],
+                              other=0.0).to(tl.float32)  # [BLOCK_N, R_PAD]
+                part = tl.sum(a_t * tl.where(col_ok, act.to(tl.float32), 0.0)[:, None], 0)
+                tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + r, part, mask=rank_ok, sem="relaxed")
 
 
 @jit
@@ -151,11 +204,13 @@ def _token_major_gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, routing_ptr, weights_ptr, bias_ptr,
     H, I, top_k, num_local_experts, local_expert_offset, stride_w_e, stride_w_n, stride_out_t,
     PACKED: tl.constexpr, WEIGHTED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
+    s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
-    weights having gone into the inputs)."""
+    weights having gone into the inputs; ``ROUND_WEIGHTS``: weighted by bf16(w), as a packing rounds it).
+    ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded."""
     wait_for_previous_kernel(USE_GDC)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,6 +226,8 @@ def _token_major_gemm2_kernel(
     w_ptrs = (w2_ptr + expert[:, None, None] * stride_w_e + cols.to(tl.int64)[None, :, None] * stride_w_n
               + ks[None, None, :])  # [K_PAD, BLOCK_N, BLOCK_K]
     w_rows_ok = local[:, None, None] & col_ok[None, :, None]
+    if LORA:
+        adapter, rank_ok = _token_adapter(lora_ids_ptr, ranks_ptr, t, num_loras, max_rank, R_PAD)
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
     for i0 in range(0, I, BLOCK_K):
         i_ok = ks + i0 < I
@@ -180,9 +237,23 @@ def _token_major_gemm2_kernel(
     row_ok = local[:, None] & col_ok[None, :]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + expert[:, None] * H + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    if LORA:
+        if adapter >= 0:  # acc += B_down (s2 w / bf16(w)): the LoRA term weighted by the caller's w in the end
+            r = tl.arange(0, R_PAD)
+            s_mask = local[:, None] & rank_ok[None, :]
+            s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + r[None, :], mask=s_mask, other=0.0)
+            s2 = to_output(s2 * caller_weight_ratio(weights_ptr, slots, local)[:, None], act_ptr.dtype.element_ty)
+            pair = adapter * num_local_experts + expert  # [K_PAD]
+            b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
+                      + r[None, None, :])  # B_down [.., H, max_rank] as [K_PAD, BLOCK_N, R_PAD]
+            b = tl.load(b_ptrs, mask=w_rows_ok & rank_ok[None, None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(b * s2.to(tl.float32)[:, None, :], axis=2)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
-        y = y * _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)[:, None]
+        w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
+        if ROUND_WEIGHTS:
+            w = to_output(w, tl.bfloat16).to(tl.float32)
+        y = y * w[:, None]
     out = tl.sum(tl.where(row_ok, y, 0.0), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_out_t + cols, to_output(out, out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -192,14 +263,18 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                     weight_on_input: bool = False, activation: str = "silu", gated: bool = True,
                     swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
-                    config: TokenMajorConfig | None = None, pdl: dict | None = None) -> torch.Tensor:
+                    config: TokenMajorConfig | None = None, pdl: dict | None = None, round_weights: bool = False,
+                    bank: LoRABank | None = None, lora_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``output`` [T, H] = the routed MoE of ``x`` [T, H] (unit column stride) in two launches (module docstring).
 
     ``routing``: contiguous int32 [T, K] packed words when ``expert_weights`` is None, else int ids [T, K] beside
     contiguous float ``expert_weights`` [T, K]. ``w13`` [E_local, 2I, H] (not ``gated``: [E_local, I, H]) and
     ``w2`` [E_local, H, I] contiguous; biases contiguous [E_local, 2I or I] and [E_local, H]; the activation
     keywords as :func:`moelab.kernels.moe_gemm.gemm1_swiglu` takes them. ``weight_on_input``: each slot's input
-    is scaled by its weight and the expert rows summed unweighted. Allocates the [T*K, I] activation only."""
+    is scaled by its weight and the expert rows summed unweighted; ``round_weights``: the rows are weighted by
+    bf16(w), as a packing would round w. ``bank`` (a :class:`moelab.LoRABank` over the local experts) with
+    ``lora_ids`` int [T] contiguous (-1: none; ids routing only): each token's adapter on top, one more launch (the
+    W13 shrink; module docstring, "LoRA"). Allocates the [T*K, I] activation (and the LoRA's rank vectors) only."""
     T, K = routing.shape
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if gated else 1)
@@ -213,13 +288,24 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
     act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
     common = dict(routing_ptr=routing, weights_ptr=weights, top_k=K, num_local_experts=E_local,
                   local_expert_offset=local_expert_offset, PACKED=packed, **(pdl or {}))
+    lora1 = lora2 = {}
+    if bank is not None:
+        if packed:
+            raise ValueError("bank: the token-major LoRA takes (ids, expert_weights) routing, not packed words")
+        s13, s2 = fused_lora.slot_w13_shrink(routing, x, bank, lora_ids, num_local_experts=E_local,
+                                  local_expert_offset=local_expert_offset, pdl=pdl or {})
+        lora2 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
+                     max_rank=bank.max_rank, LORA=True, R_PAD=own_rank_pad(bank))
+        lora1 = dict(lora2, s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a)
+        lora2["down_b_ptr"] = bank.down_b
     _token_major_gemm1_kernel[(T * K, cdiv(I, cfg.block_n1))](
         x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
         stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
         GATED=gated, SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit, BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, **common)
+        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, **common, **lora1)
     _token_major_gemm2_kernel[(T, cdiv(H, cfg.block_n2))](
         act_ptr=act, w2_ptr=w2, out_ptr=output, bias_ptr=w2_bias, H=H, I=I, stride_w_e=w2.stride(0),
         stride_w_n=w2.stride(1), stride_out_t=output.stride(0), WEIGHTED=not weight_on_input, K_PAD=next_pow2(K),
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, **common)
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, ROUND_WEIGHTS=round_weights, **common,
+        **lora2)
     return output
