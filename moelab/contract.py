@@ -154,6 +154,8 @@ class LoRAExpertsCall:
     lora_ids: torch.Tensor | None  # int [T] on the device (-1: no adapter), None with ``lora`` None
     fused: bool = False  # fold the bank into the backend's own kernels (only where ``fused_lora_reason`` is None)
     path: str | None = None  # force one LoRA path (``moelab.experts.LORA_PATHS``); None: by backend and batch
+    bank: LoRABank | None = None  # the module's bank, also when ``lora`` is None (kernels that take one run the same
+    #                               code with and without adapters, so the base rows agree bit for bit)
 
 
 def permuted_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, width: int) -> int:

@@ -218,5 +218,5 @@ class LoRAExperts(nn.Module):
             check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
                                self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,
-                               lora_ids if with_lora else None, self.fused, self._path)
+                               lora_ids if with_lora else None, self.fused, self._path, self.lora)
         return get_backend(self.backend).lora_experts(call)

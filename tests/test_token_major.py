@@ -313,10 +313,11 @@ def test_lora_expert_parallel_and_forced(E_local, offset, device):
     seen = []
     original = triton_backend.token_major_moe
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_backend, "token_major_moe", lambda *a, **k: seen.append(k["bank"]) or original(*a, **k))
+        mp.setattr(triton_backend, "token_major_moe",
+                   lambda *a, **k: seen.append((k["bank"], k["lora_ids"] is None)) or original(*a, **k))
         out = experts(x, w, ids, lora_ids)
         base = experts(x, w, ids, None)
-    assert seen == [bank, None]
+    assert seen == [(bank, False), (bank, True)], "both calls run the bank's kernels, the base call without ids"
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank, local_expert_offset=offset)
     assert_close_to_reference(out, ref["output"], torch.float32, "forced token-major, EP")
     if E_local < E:

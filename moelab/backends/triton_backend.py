@@ -390,8 +390,9 @@ def _lora_token_major(call: LoRAExpertsCall) -> bool:
             num_local_experts=W.num_local_experts, expert_bytes=_expert_bytes(W.gemm1_weights, W.gemm2_weights))):
         return False
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
+    # The module's bank also without adapters in this batch: the same kernels run, none of its slots adding anything
     token_major_moe(call.topk_ids.contiguous(), weights.contiguous(), x, W.gemm1_weights, W.gemm2_weights, call.output,
                     local_expert_offset=call.local_expert_offset, w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias,
-                    pdl=_runtime.pdl_launch(x.device), round_weights=True, bank=call.lora,
+                    pdl=_runtime.pdl_launch(x.device), round_weights=True, bank=call.lora or call.bank,
                     lora_ids=None if call.lora is None else call.lora_ids.contiguous(), **_expert_options(W))
     return True

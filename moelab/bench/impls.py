@@ -25,13 +25,16 @@ def build_moelab(ctx, backend: str):
     return lambda s: moelab.routed_moe(s.packed, s.x, W, num_experts=E, top_k=K, validate=False)[0]
 
 
-def build_lora_base(ctx, path: str | None = None):
-    """``moelab.LoRAExperts`` without a bank on the triton backend, ``fused=path`` as the LoRA call's (None: the
-    module's own choice): the base rows that the LoRA call's tokens without an adapter equal bit for bit (the tiled
-    pipeline, or the token-major kernels where the module takes them)."""
-    s = ctx.shape
-    mod = moelab.LoRAExperts(ctx.w13, ctx.w2, num_experts=s.E, top_k=s.K, backend="triton", fused=path)
-    return lambda st: mod(st.x, st.weights, st.ids, None, validate=False)
+def build_moelab_tiled(ctx):
+    """``moelab.routed_moe`` on the triton backend's tiled pipeline at every batch size (its token-major decode
+    kernels ruled out): the base rows that the LoRA ops' tokens without an adapter equal bit for bit."""
+    from moelab.backends import triton_backend
+    from moelab.moe import validate_call
+
+    W = moelab.prepare_weights(ctx.w13, ctx.w2, backend="triton", **ctx.expert)
+    E, K = ctx.shape.E, ctx.shape.K
+    return lambda s: triton_backend.routed_moe(validate_call(s.packed, s.x, W, E, K, 0, None, True, None, False),
+                                               token_major=False).output
 
 
 def make_bank(ctx, ranks: list[int]) -> moelab.LoRABank:
@@ -55,7 +58,8 @@ def build_lora_experts(ctx, variant: str, path: str | None = None):
     """``moelab.LoRAExperts(..., backend="triton")`` called as a serving engine calls it: ``has_lora`` known on
     the host, ``validate=False``. Variant ``ids=-1``: every token without an adapter. ``path``: one of
     ``moelab.experts.LORA_PATHS`` forced with ``fused=path`` (None: the module's own choice); a path this bank or
-    batch cannot take is a :class:`Skip`."""
+    batch cannot take is a :class:`Skip`. ``fn.base``: the same module's call without adapters, whose rows its
+    tokens without an adapter equal bit for bit."""
     from moelab.backends.triton_backend import FUSED_DECODE_MAX_SLOTS
 
     s = ctx.shape
@@ -71,6 +75,7 @@ def build_lora_experts(ctx, variant: str, path: str | None = None):
             raise Skip(f"fused='decode' takes at most {FUSED_DECODE_MAX_SLOTS} slots, got {st.ids.numel()}")
         return mod(st.x, st.weights, st.ids, st.lora_ids[variant], has_lora=has_lora, validate=False)
 
+    fn.base = lambda st: mod(st.x, st.weights, st.ids, None, validate=False)
     return fn
 
 
@@ -92,4 +97,5 @@ def build_lora_ops(ctx, variant: str):
                                   lora_ids, bank, validate=False, segments=seg)
         return moelab.finalize_with_w2_lora(torch.empty_like(s.x), gemm2, ew, e2p, d2, validate=False)
 
+    fn.base = build_moelab_tiled(ctx)  # routed_moe with a delta runs the tiled pipeline
     return fn

@@ -196,7 +196,6 @@ class Impl:
     graph: bool = False  # also time a CUDA-graph capture of it
     variant: str = "none"
     peer: str = ""  # the --peers key that selects it ("": moelab's main rows, always run)
-    lora_path: str | None = None  # moelab's LoRA rows: the ``fused=`` path whose base rows they equal bit for bit
 
 
 class Runner:
@@ -303,11 +302,19 @@ class Runner:
             finite = bool(torch.isfinite(out0).all())
             row.update(rel_err=err, tol=tol, checked_tokens=len(check["rows"]), all_finite=finite,
                        check="ok" if err < tol and finite else "FAIL")
-            base_out = base.get("base_out", {}).get(impl.lora_path)
             lora_ids = sets[0].lora_ids.get(impl.variant)
-            if impl.moelab and lora_ids is not None and base_out is not None and bool((lora_ids < 0).any()):
-                keep = lora_ids < 0  # tokens without an adapter: bit for bit the base path's output
+            base_fn = getattr(fn, "base", None)  # the call without adapters, in the same mode (eager or graph)
+            if impl.moelab and lora_ids is not None and base_fn is not None and bool((lora_ids < 0).any()):
+                if graph:
+                    base_replays, base_outs = self._graphs(base_fn, sets[:1])
+                    base_replays[0]()
+                    self._sync()
+                    base_out = base_outs[0]
+                else:
+                    base_out = base_fn(sets[0])
+                keep = lora_ids < 0  # tokens without an adapter: bit for bit the base call's output
                 row["base_rows_bitwise"] = bool(torch.equal(out0[keep], base_out[keep]))
+                del base_out
             del out0
             if not graph:
                 peak = self._peak_bytes(fn, sets[-1])
@@ -384,11 +391,10 @@ def _lora_impls(ctx: Ctx, variants: list[LoRAVariant]) -> list[Impl]:
     for v in (v.name for v in variants):
         out += [Impl("moelab LoRAExperts" + (f" [{p}]" if p != "auto" else ""),
                      lambda v=v, p=p: impls.build_lora_experts(ctx, v, None if p == "auto" else p), moelab=True,
-                     graph=cuda, variant=v, lora_path=None if p == "auto" else p)
-                for p in ctx.args.lora_paths.split(",")]
+                     graph=cuda, variant=v) for p in ctx.args.lora_paths.split(",")]
         out += [
                 Impl("moelab LoRA ops", lambda v=v: impls.build_lora_ops(ctx, v), moelab=True, graph=cuda,
-                     variant=v, peer="lora-ops", lora_path="flow"),  # the tiled pipeline's base rows
+                     variant=v, peer="lora-ops"),
                 Impl("unfused LoRA (grouped_mm)", lambda v=v: peers.build_unfused_lora(ctx, v), variant=v,
                      peer="unfused"),
                 Impl("HF grouped_mm + PEFT", lambda v=v: peers.build_peft(ctx, v), variant=v, peer="peft")]
@@ -499,13 +505,6 @@ def _run_tokens(runner: Runner, ctx: Ctx, plan: list[Impl], variants: list[LoRAV
             ranks = torch.tensor(ctx.bank_of(v.name).ranks, dtype=torch.float64)
             base["lora_roof"][v.name] = _lora_roof(runner, shape, T, touched, sets, v.name, ranks)
             check["ref"][v.name] = reference_rows(ctx, sets[0], rows, v.name)
-        try:  # each path's base output, for the bit-for-bit check of tokens without an adapter
-            base["base_out"] = {p: impls.build_lora_base(ctx, p)(sets[0])
-                                for p in {i.lora_path for i in plan if i.moelab and i.variant != "none"}}
-        except Exception as e:
-            runner._emit({"mode": mode, "shape": shape.name, "routing": routing, "T": T, "variant": "none",
-                          "impl": "moelab triton (base output for the bit-for-bit check)",
-                          "error": f"{type(e).__name__}: {e}"})
     runner.log(f"[{mode} {shape.name} {routing}] T={T}: {touched:.1f} experts touched, floor "
                f"{base['roof']['floor_us']:.1f} us ({base['roof']['bound']}), inputs + float64 reference of "
                f"{len(rows)} tokens in {time.monotonic() - t_ref:.1f} s, {time.monotonic() - runner.t0:.0f} s elapsed")

@@ -274,7 +274,10 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
     is scaled by its weight and the expert rows summed unweighted; ``round_weights``: the rows are weighted by
     bf16(w), as a packing would round w. ``bank`` (a :class:`moelab.LoRABank` over the local experts) with
     ``lora_ids`` int [T] contiguous (-1: none; ids routing only): each token's adapter on top, one more launch (the
-    W13 shrink; module docstring, "LoRA"). Allocates the [T*K, I] activation (and the LoRA's rank vectors) only."""
+    W13 shrink; module docstring, "LoRA"); ``bank`` with ``lora_ids`` None: no token has an adapter, but the LoRA
+    kernels run (no shrink), so the rows are those of a call with adapters bit for bit (a compiler may order a
+    kernel's sums differently once it holds more code: in fp32 on the H200 the two kernels' rows differed in the
+    last bit). Allocates the [T*K, I] activation (and the LoRA's rank vectors) only."""
     T, K = routing.shape
     E_local, H = w13.shape[0], w13.shape[2]
     I = w13.shape[1] // (2 if gated else 1)
@@ -292,8 +295,12 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
     if bank is not None:
         if packed:
             raise ValueError("bank: the token-major LoRA takes (ids, expert_weights) routing, not packed words")
-        s13, s2 = fused_lora.slot_w13_shrink(routing, x, bank, lora_ids, num_local_experts=E_local,
-                                  local_expert_offset=local_expert_offset, pdl=pdl or {})
+        if lora_ids is None:  # no adapter: rank vectors never read
+            lora_ids = torch.full((T,), -1, dtype=torch.int32, device=x.device)
+            s13, s2 = (torch.empty(0, dtype=d, device=x.device) for d in (x.dtype, torch.float32))
+        else:
+            s13, s2 = fused_lora.slot_w13_shrink(routing, x, bank, lora_ids, num_local_experts=E_local,
+                                                 local_expert_offset=local_expert_offset, pdl=pdl or {})
         lora2 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
                      max_rank=bank.max_rank, LORA=True, R_PAD=own_rank_pad(bank))
         lora1 = dict(lora2, s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a)
