@@ -29,7 +29,11 @@ bank: nothing is stacked), one launch more, three in all:
 
 as the tiled pipeline's fused decode mode computes them (``moelab/kernels/fused_lora.py``): rank vectors rounded
 to the input dtype, the LoRA term weighted by the caller's w in the end. A slot without an adapter runs none of it,
-so its rows are the base path's bit for bit; the atomics may change a LoRA row's last bit from run to run.
+so its rows are the base path's bit for bit; the atomics may change a LoRA row's last bit from run to run. The
+LoRA steps reuse the K loop's tiles with the ranks along BLOCK_K (masked past the adapter's rank): tiles of their own
+([BLOCK_N, R_PAD], [K_PAD, BLOCK_N, R_PAD]) made the compiled kernels slower even where no token had an adapter, on
+the H200 GEMM2 11.9 -> 17.0 µs (Qwen3-30B-A3B) and 66.6 -> 87.1 (DeepSeek-V3) at T = 1
+(``scripts/profile_lora_tm.py``).
 """
 
 from __future__ import annotations
@@ -119,13 +123,13 @@ def _slot_weight(routing_ptr, weights_ptr, slots, mask, PACKED: tl.constexpr):
 
 
 @jit
-def _token_adapter(lora_ids_ptr, ranks_ptr, token, num_loras, max_rank, R_PAD: tl.constexpr):
-    """(adapter, rank_ok) of ``token``: its adapter slot (-1 for none or an id outside the bank) and which of the
-    R_PAD rank columns its adapter has, bool [R_PAD]."""
+def _token_adapter(lora_ids_ptr, ranks_ptr, token, num_loras, max_rank):
+    """(adapter, rank) of ``token``: its adapter slot (-1 for none or an id outside the bank) and that adapter's
+    rank (0 without one)."""
     adapter = tl.load(lora_ids_ptr + token).to(tl.int32)
     adapter = tl.where((adapter >= 0) & (adapter < num_loras), adapter, -1)
     rank = tl.load(ranks_ptr + tl.maximum(adapter, 0))
-    return adapter, tl.arange(0, R_PAD) < tl.where(adapter >= 0, tl.minimum(rank, max_rank), 0)
+    return adapter, tl.where(adapter >= 0, tl.minimum(rank, max_rank), 0)
 
 
 @jit
@@ -146,9 +150,8 @@ def _token_major_gemm1_kernel(
     expert, local = _local_expert(tl.load(routing_ptr + slot), local_expert_offset, num_local_experts, PACKED)
     if local:
         if LORA:  # read before the K loop, which hides the latency
-            adapter, rank_ok = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank, R_PAD)
+            adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank)
             pair = tl.maximum(adapter, 0) * num_local_experts + expert  # (adapter, expert) of the bank's tensors
-            r = tl.arange(0, R_PAD)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
@@ -176,27 +179,34 @@ def _token_major_gemm1_kernel(
                 acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        if LORA:
+        if LORA:  # the LoRA steps use the K loop's [BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K (module docstring)
             if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink launch
-                s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + r
-                b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]  # B [.., I, max_rank]
-                b_mask = col_ok[:, None] & rank_ok[None, :]  # rank_ok is all False without an adapter
-                s_up = tl.load(s_row, mask=rank_ok, other=0.0).to(tl.float32)
-                acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32) * s_up[None, :], 1)
-                if GATED:
-                    s_gate = tl.load(s_row + R_PAD, mask=rank_ok, other=0.0).to(tl.float32)
-                    acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
-                                       * s_gate[None, :], 1)
+                s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD)
+                for r0 in tl.static_range(0, R_PAD, BLOCK_K):
+                    rr = r0 + ks
+                    r_ok = rr < rank
+                    b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + rr[None, :]  # B [.., I, max_rank]
+                    b_mask = col_ok[:, None] & r_ok[None, :]
+                    s_up = tl.load(s_row + rr, mask=r_ok, other=0.0).to(tl.float32)
+                    acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+                                     * s_up[None, :], axis=1)
+                    if GATED:
+                        s_gate = tl.load(s_row + R_PAD + rr, mask=r_ok, other=0.0).to(tl.float32)
+                        acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+                                           * s_gate[None, :], axis=1)
         act = to_output(expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT),
                         act_ptr.dtype.element_ty)
         tl.store(act_ptr + slot.to(tl.int64) * I + cols, act, mask=col_ok)
         if LORA:
             if adapter >= 0:  # s2 += A_down[:, cols] act[cols], the stored (rounded) activation
-                a_offs = (pair * max_rank + r[None, :]) * I + cols.to(tl.int64)[:, None]  # A [.., max_rank, I]
-                a_t = tl.load(down_a_ptr + a_offs, mask=col_ok[:, None] & rank_ok[None, :],
-                              other=0.0).to(tl.float32)  # [BLOCK_N, R_PAD]
-                part = tl.sum(a_t * tl.where(col_ok, act.to(tl.float32), 0.0)[:, None], 0)
-                tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + r, part, mask=rank_ok, sem="relaxed")
+                act_f = tl.where(col_ok, act.to(tl.float32), 0.0)
+                for r0 in tl.static_range(0, R_PAD, BLOCK_K):
+                    rr = r0 + ks
+                    r_ok = rr < rank
+                    a_offs = (pair * max_rank + rr[None, :]) * I + cols.to(tl.int64)[:, None]  # A [.., max_rank, I]
+                    a_t = tl.load(down_a_ptr + a_offs, mask=col_ok[:, None] & r_ok[None, :], other=0.0)
+                    part = tl.sum(a_t.to(tl.float32) * act_f[:, None], axis=0)  # [BLOCK_K] ranks
+                    tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + rr, part, mask=r_ok, sem="relaxed")
 
 
 @jit
@@ -227,7 +237,7 @@ def _token_major_gemm2_kernel(
               + ks[None, None, :])  # [K_PAD, BLOCK_N, BLOCK_K]
     w_rows_ok = local[:, None, None] & col_ok[None, :, None]
     if LORA:
-        adapter, rank_ok = _token_adapter(lora_ids_ptr, ranks_ptr, t, num_loras, max_rank, R_PAD)
+        adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, t, num_loras, max_rank)
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
     for i0 in range(0, I, BLOCK_K):
         i_ok = ks + i0 < I
@@ -239,15 +249,18 @@ def _token_major_gemm2_kernel(
         acc += tl.load(bias_ptr + expert[:, None] * H + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
     if LORA:
         if adapter >= 0:  # acc += B_down (s2 w / bf16(w)): the LoRA term weighted by the caller's w in the end
-            r = tl.arange(0, R_PAD)
-            s_mask = local[:, None] & rank_ok[None, :]
-            s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + r[None, :], mask=s_mask, other=0.0)
-            s2 = to_output(s2 * caller_weight_ratio(weights_ptr, slots, local)[:, None], act_ptr.dtype.element_ty)
+            ratio = caller_weight_ratio(weights_ptr, slots, local)[:, None]
             pair = adapter * num_local_experts + expert  # [K_PAD]
-            b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
-                      + r[None, None, :])  # B_down [.., H, max_rank] as [K_PAD, BLOCK_N, R_PAD]
-            b = tl.load(b_ptrs, mask=w_rows_ok & rank_ok[None, None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(b * s2.to(tl.float32)[:, None, :], axis=2)
+            for r0 in tl.static_range(0, R_PAD, BLOCK_K):  # the K loop's tiles, ranks along BLOCK_K
+                rr = r0 + ks
+                r_ok = rr < rank
+                s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + rr[None, :],
+                             mask=local[:, None] & r_ok[None, :], other=0.0)  # [K_PAD, BLOCK_K]
+                s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
+                b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
+                          + rr[None, None, :])  # B_down [.., H, max_rank] as [K_PAD, BLOCK_N, BLOCK_K]
+                b = tl.load(b_ptrs, mask=w_rows_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(b * s2[:, None, :], axis=2)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
         w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
