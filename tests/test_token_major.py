@@ -273,14 +273,16 @@ def _poison_empty(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ranks, max_rank", [((4, 8, 2), 8), ((64, 8, 3), 64)], ids=["narrow", "wide-mixed"])
-def test_lora_against_reference(ranks, max_rank, dtype, device, paths, monkeypatch):
+@pytest.mark.parametrize("T, K, lora_ids", [(4, 3, [2, -1, 0, 1]), (2, 6, [-1, 1])], ids=["K3", "K6"])
+def test_lora_against_reference(T, K, lora_ids, ranks, max_rank, dtype, device, paths, monkeypatch):
     """``LoRAExperts`` left to itself at a token-major size: its LoRA call and its base call both take the path (one
     launch each), the output matches the float64 reference, the LoRA part alone too, and the token without an
     adapter is the base call's row bit for bit. A bank of 3 adapters (narrow: stacked 64 columns; wide: ranks 64, 8
-    and 3 in R_PAD 64, mostly padding), K not a power of two, H and I off the tiles, every float buffer poisoned."""
+    and 3 in R_PAD 64, mostly padding), K not a power of two (K = 6: GEMM2's LoRA on its K loop's tiles, K = 3: on
+    tiles of its own), H and I off the tiles, every float buffer poisoned."""
     _poison_empty(monkeypatch)
-    T, K, E, H, I = 4, 3, 8, 40, 24  # 12 slots
-    lora_ids = torch.tensor([2, -1, 0, 1])
+    E, H, I = 8, 40, 24  # 12 slots
+    lora_ids = torch.tensor(lora_ids)
     x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, dtype, device, ranks=ranks, max_rank=max_rank,
                                                        lora_ids=lora_ids, seed=max_rank)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")

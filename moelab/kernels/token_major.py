@@ -29,11 +29,20 @@ bank: nothing is stacked), one launch more, three in all:
 
 as the tiled pipeline's fused decode mode computes them (``moelab/kernels/fused_lora.py``): rank vectors rounded
 to the input dtype, the LoRA term weighted by the caller's w in the end. A slot without an adapter runs none of it,
-so its rows are the base path's bit for bit; the atomics may change a LoRA row's last bit from run to run. The
-LoRA steps reuse the K loop's tiles with the ranks along BLOCK_K (masked past the adapter's rank): tiles of their own
-([BLOCK_N, R_PAD], [K_PAD, BLOCK_N, R_PAD]) made the compiled kernels slower even where no token had an adapter, on
-the H200 GEMM2 11.9 -> 17.0 µs (Qwen3-30B-A3B) and 66.6 -> 87.1 (DeepSeek-V3) at T = 1
-(``scripts/profile_lora_tm.py``).
+so its rows are the base path's bit for bit; the atomics may change a LoRA row's last bit from run to run. Where the
+LoRA steps keep their operands was measured (H200, T = 1, ``scripts/profile_lora_tm.py``, GPU µs of GEMM1 / GEMM2 with
+one rank-16 adapter; without an adapter in brackets; the base kernels 15.6 / 12.0 Qwen3-30B-A3B, 112.5 / 65.1
+DeepSeek-V3, 112.9 / 71.1 Mixtral):
+
+    tiles of their own ([BLOCK_N, R_PAD], [K_PAD, BLOCK_N, R_PAD])  Qwen3 21.0 / 17.8 (20.2 / 17.0), DeepSeek-V3
+                                                                   119.9 / 89.1 (116.9 / 87.1), Mixtral 124.6 / 66.2
+                                                                   (119.0 / 65.5)
+    the K loop's tiles, ranks along BLOCK_K                        Qwen3 23.8 / 11.5 (20.6 / 9.9), DeepSeek-V3
+                                                                   187.7 / 74.4 (162.4 / 68.4), Mixtral 203.3 / 73.5
+                                                                   (157.0 / 71.5)
+
+so GEMM1 keeps tiles of its own, and GEMM2 takes the K loop's tiles where K_PAD is 8 or more (``LORA_K_TILES``, K >=
+5; its BLOCK_K is 256 at K = 8), tiles of its own at K <= 4 (BLOCK_K 512). Measured at K = 8 and K = 2 only.
 """
 
 from __future__ import annotations
@@ -152,6 +161,8 @@ def _token_major_gemm1_kernel(
         if LORA:  # read before the K loop, which hides the latency
             adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank)
             pair = tl.maximum(adapter, 0) * num_local_experts + expert  # (adapter, expert) of the bank's tensors
+            r = tl.arange(0, R_PAD)
+            rank_ok = r < rank  # LoRA tiles of their own, [BLOCK_N, R_PAD] (module docstring)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
@@ -179,34 +190,27 @@ def _token_major_gemm1_kernel(
                 acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        if LORA:  # the LoRA steps use the K loop's [BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K (module docstring)
+        if LORA:
             if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink launch
-                s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD)
-                for r0 in tl.static_range(0, R_PAD, BLOCK_K):
-                    rr = r0 + ks
-                    r_ok = rr < rank
-                    b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + rr[None, :]  # B [.., I, max_rank]
-                    b_mask = col_ok[:, None] & r_ok[None, :]
-                    s_up = tl.load(s_row + rr, mask=r_ok, other=0.0).to(tl.float32)
-                    acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
-                                     * s_up[None, :], axis=1)
-                    if GATED:
-                        s_gate = tl.load(s_row + R_PAD + rr, mask=r_ok, other=0.0).to(tl.float32)
-                        acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
-                                           * s_gate[None, :], axis=1)
+                s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + r
+                b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]  # B [.., I, max_rank]
+                b_mask = col_ok[:, None] & rank_ok[None, :]  # rank_ok is all False without an adapter
+                s_up = tl.load(s_row, mask=rank_ok, other=0.0).to(tl.float32)
+                acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32) * s_up[None, :], 1)
+                if GATED:
+                    s_gate = tl.load(s_row + R_PAD, mask=rank_ok, other=0.0).to(tl.float32)
+                    acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+                                       * s_gate[None, :], 1)
         act = to_output(expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT),
                         act_ptr.dtype.element_ty)
         tl.store(act_ptr + slot.to(tl.int64) * I + cols, act, mask=col_ok)
         if LORA:
             if adapter >= 0:  # s2 += A_down[:, cols] act[cols], the stored (rounded) activation
-                act_f = tl.where(col_ok, act.to(tl.float32), 0.0)
-                for r0 in tl.static_range(0, R_PAD, BLOCK_K):
-                    rr = r0 + ks
-                    r_ok = rr < rank
-                    a_offs = (pair * max_rank + rr[None, :]) * I + cols.to(tl.int64)[:, None]  # A [.., max_rank, I]
-                    a_t = tl.load(down_a_ptr + a_offs, mask=col_ok[:, None] & r_ok[None, :], other=0.0)
-                    part = tl.sum(a_t.to(tl.float32) * act_f[:, None], axis=0)  # [BLOCK_K] ranks
-                    tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + rr, part, mask=r_ok, sem="relaxed")
+                a_offs = (pair * max_rank + r[None, :]) * I + cols.to(tl.int64)[:, None]  # A [.., max_rank, I]
+                a_t = tl.load(down_a_ptr + a_offs, mask=col_ok[:, None] & rank_ok[None, :],
+                              other=0.0).to(tl.float32)  # [BLOCK_N, R_PAD]
+                part = tl.sum(a_t * tl.where(col_ok, act.to(tl.float32), 0.0)[:, None], 0)
+                tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + r, part, mask=rank_ok, sem="relaxed")
 
 
 @jit
@@ -216,6 +220,7 @@ def _token_major_gemm2_kernel(
     PACKED: tl.constexpr, WEIGHTED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
     s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
+    LORA_K_TILES: tl.constexpr = False,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
@@ -251,15 +256,26 @@ def _token_major_gemm2_kernel(
         if adapter >= 0:  # acc += B_down (s2 w / bf16(w)): the LoRA term weighted by the caller's w in the end
             ratio = caller_weight_ratio(weights_ptr, slots, local)[:, None]
             pair = adapter * num_local_experts + expert  # [K_PAD]
-            for r0 in tl.static_range(0, R_PAD, BLOCK_K):  # the K loop's tiles, ranks along BLOCK_K
-                rr = r0 + ks
-                r_ok = rr < rank
-                s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + rr[None, :],
-                             mask=local[:, None] & r_ok[None, :], other=0.0)  # [K_PAD, BLOCK_K]
+            if LORA_K_TILES:  # on the K loop's [K_PAD, BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K
+                for r0 in tl.static_range(0, R_PAD, BLOCK_K):
+                    rr = r0 + ks
+                    r_ok = rr < rank
+                    s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + rr[None, :],
+                                 mask=local[:, None] & r_ok[None, :], other=0.0)
+                    s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
+                    b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
+                              + rr[None, None, :])  # B_down [.., H, max_rank]
+                    b = tl.load(b_ptrs, mask=w_rows_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
+                    acc += tl.sum(b * s2[:, None, :], axis=2)
+            else:  # on tiles of their own, [K_PAD, BLOCK_N, R_PAD]
+                r = tl.arange(0, R_PAD)
+                rank_ok = r < rank
+                s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + r[None, :],
+                             mask=local[:, None] & rank_ok[None, :], other=0.0)
                 s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
                 b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
-                          + rr[None, None, :])  # B_down [.., H, max_rank] as [K_PAD, BLOCK_N, BLOCK_K]
-                b = tl.load(b_ptrs, mask=w_rows_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
+                          + r[None, None, :])  # B_down [.., H, max_rank]
+                b = tl.load(b_ptrs, mask=w_rows_ok & rank_ok[None, None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(b * s2[:, None, :], axis=2)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
@@ -314,10 +330,10 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         else:
             s13, s2 = fused_lora.slot_w13_shrink(routing, x, bank, lora_ids, num_local_experts=E_local,
                                                  local_expert_offset=local_expert_offset, pdl=pdl or {})
-        lora2 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
+        lora1 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
                      max_rank=bank.max_rank, LORA=True, R_PAD=own_rank_pad(bank))
-        lora1 = dict(lora2, s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a)
-        lora2["down_b_ptr"] = bank.down_b
+        lora2 = dict(lora1, down_b_ptr=bank.down_b, LORA_K_TILES=K >= 5)  # K_PAD 8 and more (module docstring)
+        lora1.update(s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a)
     _token_major_gemm1_kernel[(T * K, cdiv(I, cfg.block_n1))](
         x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
         stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
