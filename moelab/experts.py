@@ -44,7 +44,7 @@ from moelab._checks import (
 )
 from moelab.backends import get_backend
 from moelab.contract import LoRAExpertsCall
-from moelab.lora import LoRABank, check_ids_once, check_lora_routing
+from moelab.lora import LoRABank, check_bank_layout, check_ids_once
 from moelab.moe import prepare_weights, validate_call
 from moelab.packing import check_routing
 
@@ -214,7 +214,7 @@ class LoRAExperts(nn.Module):
         with_lora = lora_ids is not None and has_lora is not False
         if with_lora:
             lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
-            check_lora_routing(self.lora, topk_ids, lora_ids, self.local_expert_offset, False)  # ids: checked above
+            check_bank_layout(self.lora)  # the rest of check_lora_routing was checked above (ids, shapes, offset)
             check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
         call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
                                self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,

@@ -488,6 +488,12 @@ def check_ids_once(topk_ids: torch.Tensor | None, num_experts: int, bank: LoRABa
                              f"bank.set({empty[0]}, ...) or use -1 (no adapter) for those tokens")
 
 
+def check_bank_layout(bank: LoRABank) -> None:
+    """Every tensor of ``bank`` contiguous, as the kernels index them (a tensor assigned to the bank may not be)."""
+    for name in _BANK_TENSORS:
+        _checks.check_contiguous(f"bank.{name}", getattr(bank, name))
+
+
 def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, segments=None):
     """Check a bank and the routing its deltas see; with ``validate`` also the adapter ids (one host sync).
     Returns (T, K)."""
@@ -499,8 +505,7 @@ def check_lora_routing(bank, topk_ids, lora_ids, local_expert_offset, validate, 
         raise ValueError(f"topk_ids: expected at least one column (top_k >= 1), got shape {list(topk_ids.shape)}")
     check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, shape=(T,))
     check_int("local_expert_offset", local_expert_offset, low=0)
-    for name in _BANK_TENSORS:
-        _checks.check_contiguous(f"bank.{name}", getattr(bank, name))
+    check_bank_layout(bank)
     if segments is not None:
         if not isinstance(segments, Segments):
             raise TypeError(f"segments: expected moelab.permutation.Segments from lora_segments, "

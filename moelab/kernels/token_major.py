@@ -214,6 +214,22 @@ def _token_major_gemm1_kernel(
 
 
 @jit
+def _w2_expand(acc, ranks, rank, s2_ptr, slots, local, ratio, down_b_ptr, pair, H, cols, max_rank, w_rows_ok, act_ptr,
+               R_PAD: tl.constexpr):
+    """``acc`` [K_PAD, BLOCK_N] plus the W2 expand over the rank columns ``ranks`` (those below ``rank`` read):
+    B_down[pair, cols, ranks] times the slots' rank vectors s2 * ``ratio`` (w / bf16(w)) rounded to the input
+    dtype, as the tiled path rounds them."""
+    r_ok = ranks < rank
+    s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + ranks[None, :], mask=local[:, None] & r_ok[None, :],
+                 other=0.0)
+    s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
+    b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
+              + ranks[None, None, :])  # B_down [.., H, max_rank]
+    b = tl.load(b_ptrs, mask=w_rows_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
+    return acc + tl.sum(b * s2[:, None, :], axis=2)
+
+
+@jit
 def _token_major_gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, routing_ptr, weights_ptr, bias_ptr,
     H, I, top_k, num_local_experts, local_expert_offset, stride_w_e, stride_w_n, stride_out_t,
@@ -258,25 +274,11 @@ def _token_major_gemm2_kernel(
             pair = adapter * num_local_experts + expert  # [K_PAD]
             if LORA_K_TILES:  # on the K loop's [K_PAD, BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K
                 for r0 in tl.static_range(0, R_PAD, BLOCK_K):
-                    rr = r0 + ks
-                    r_ok = rr < rank
-                    s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + rr[None, :],
-                                 mask=local[:, None] & r_ok[None, :], other=0.0)
-                    s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
-                    b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
-                              + rr[None, None, :])  # B_down [.., H, max_rank]
-                    b = tl.load(b_ptrs, mask=w_rows_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
-                    acc += tl.sum(b * s2[:, None, :], axis=2)
+                    acc = _w2_expand(acc, r0 + ks, rank, s2_ptr, slots, local, ratio, down_b_ptr, pair, H, cols,
+                                     max_rank, w_rows_ok, act_ptr, R_PAD)
             else:  # on tiles of their own, [K_PAD, BLOCK_N, R_PAD]
-                r = tl.arange(0, R_PAD)
-                rank_ok = r < rank
-                s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + r[None, :],
-                             mask=local[:, None] & rank_ok[None, :], other=0.0)
-                s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
-                b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
-                          + r[None, None, :])  # B_down [.., H, max_rank]
-                b = tl.load(b_ptrs, mask=w_rows_ok & rank_ok[None, None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(b * s2[:, None, :], axis=2)
+                acc = _w2_expand(acc, tl.arange(0, R_PAD), rank, s2_ptr, slots, local, ratio, down_b_ptr, pair, H,
+                                 cols, max_rank, w_rows_ok, act_ptr, R_PAD)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
         w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
