@@ -325,8 +325,10 @@ def test_lora_experts_cuda_graph_capture_and_replay(backend):
 
 
 def test_base_path_under_torch_compile(device):
-    """Without adapters LoRAExperts is routed_moe (a registered custom op) under torch.compile, and its result is
-    the eager call's (which reads ids and weights unpacked on the triton backend)."""
+    """Without adapters LoRAExperts is routed_moe (a registered custom op: the tiled pipeline) under torch.compile,
+    and its result is the eager call's (which reads ids and weights unpacked on the triton backend) where the eager
+    call takes the tiled pipeline too (not a token-major size: 12 slots over 4 experts; those agree to rounding:
+    ``tests/test_token_major.py::test_lora_module_under_torch_compile``)."""
     T, K, E, H, I, dtype = 6, 2, 4, 32, 16, torch.float32
     x, ids, w, w13, w2, _, _ = make_problem(T, K, E, H, I, dtype, device)
     experts = make_experts(w13, w2, "triton", num_experts=E, top_k=K)

@@ -124,8 +124,9 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 #: When the two-launch token-major path (``moelab/kernels/token_major.py``) runs instead of the tiled pipeline, for
 #: calls that ask for the output only (the permuted intermediates, ``do_finalize=False`` or a delta always take the
-#: tiled pipeline). ``LoRAExperts`` follows the same rule with and without adapters (its base rows then equal its
-#: LoRA path's bit for bit, both token-major or both tiled), its bank adding one launch:
+#: tiled pipeline). ``LoRAExperts`` on its fused paths follows the same rule with and without adapters (its base rows
+#: then equal its LoRA path's bit for bit, both token-major or both tiled), its bank adding one launch; with
+#: ``fused=False`` and under ``torch.compile`` it keeps the tiled pipeline:
 #:
 #: - eagerly, at most ``TOKEN_MAJOR_MAX_SLOTS`` slots (T*K) that rarely share an expert
 #:   (``TOKEN_MAJOR_EXPERTS_PER_SLOT`` local experts or more per slot: each slot streams its expert's weights
@@ -351,9 +352,10 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     [T,K,H] delta); else, and for the base MoE under ``torch.compile`` (one registered custom op), vLLM's unfused
     flow. The pipeline reads the ids and the caller's weights directly (no packing launches) and weights the base
     term by bf16(w), as the packed routed MoE does, so every token without an adapter is bit for bit the base
-    call's: both take the same GEMMs, the tiled pipeline or, where :func:`takes_token_major` says (or
-    ``fused="token-major"``), the token-major kernels with each token's adapter (``routed_moe``'s token-major calls
-    weight by the packed bf16(w) too, but agree with the tiled GEMMs to rounding only)."""
+    call's of the same mode: both take the same GEMMs, the tiled pipeline or, eagerly on the fused paths where
+    :func:`takes_token_major` says (or ``fused="token-major"``), the token-major kernels with each token's adapter
+    (``routed_moe``'s token-major calls weight by the packed bf16(w) too, but agree with the tiled GEMMs to rounding
+    only; so does ``torch.compile``'s tiled op with an eager token-major call)."""
     tiled = functools.partial(routed_moe, token_major=False)
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, tiled)
@@ -382,17 +384,23 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
 def _lora_token_major(call: LoRAExpertsCall) -> bool:
     """Run ``call`` (bank or not) on the token-major path into ``call.output`` where it takes it: forced by
     ``fused="token-major"``, or left to the module where :func:`takes_token_major` says (the batch's adapters do not
-    enter the rule, so a call with and one without them take the same path)."""
+    enter the rule, so a call with and one without them take the same path). Never for a module whose bank takes
+    vLLM's flow (``fused=False``: its LoRA calls run the tiled pipeline, so its base calls do too), nor under
+    ``torch.compile`` (the base call is then the tiled pipeline's registered op)."""
     W, x = call.weights, call.hidden_states
     T, K = call.topk_ids.shape
+    if torch.compiler.is_compiling() or (call.bank is not None and not call.fused):
+        return False
     if call.path != "token-major" and (call.path is not None or not takes_token_major(
             T, K, True, False, x.is_cuda and torch.cuda.is_current_stream_capturing(),
             num_local_experts=W.num_local_experts, expert_bytes=_expert_bytes(W.gemm1_weights, W.gemm2_weights))):
         return False
     weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
     # The module's bank also without adapters in this batch: the same kernels run, none of its slots adding anything
+    # (a bank on another device cannot take a LoRA call at all: its base calls keep the plain kernels)
+    bank = call.lora or (call.bank if call.bank is not None and call.bank.device == x.device else None)
     token_major_moe(call.topk_ids.contiguous(), weights.contiguous(), x, W.gemm1_weights, W.gemm2_weights, call.output,
                     local_expert_offset=call.local_expert_offset, w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias,
-                    pdl=_runtime.pdl_launch(x.device), round_weights=True, bank=call.lora or call.bank,
+                    pdl=_runtime.pdl_launch(x.device), round_weights=True, bank=bank,
                     lora_ids=None if call.lora is None else call.lora_ids.contiguous(), **_expert_options(W))
     return True

@@ -20,8 +20,9 @@ sits elsewhere in the tile (an edge of its blocking), so the same row could come
 On a GPU a row's result does not depend on its neighbours, and moelab promises rows that are bit for bit the same
 across paths that place them differently (``LoRAExperts``' tokens without an adapter, rows sorted by adapter). During
 a moelab launch a floating-point ``tl.dot`` multiplies in float64 and rounds once to the accumulator's dtype
-(:func:`_create_dot`): exact products, a row's sum whatever its place (to float64 rounding, far below the final
-rounding), then the accumulator added as before.
+(:func:`_create_dot`): exact products, a row's sum whatever its place up to float64 rounding (a different last bit
+after the final rounding stays possible, at about 2**-29 an element), then the accumulator added as before. moelab's
+kernels upcast their dot operands to fp32 in the interpreter, so every moelab dot takes this path.
 
 Nothing else changes: no environment variable and no Triton knob is set, even during a launch, so a kernel defined
 meanwhile is a compiled ``JITFunction`` and a child process (pytest-xdist worker, torch.distributed rank) decides
@@ -75,7 +76,7 @@ def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     floating operands multiplied in float64, rounded once to the accumulator's dtype, the accumulator added."""
     acc = d.data.dtype
     if not (np.issubdtype(acc, np.floating) and np.issubdtype(a.data.dtype, np.floating)
-            and np.issubdtype(b.data.dtype, np.floating)) or a.dtype.primitive_bitwidth == 8:
+            and np.issubdtype(b.data.dtype, np.floating)):  # integer dots; bf16 and fp8 (stored as ints) as before
         return _interpreter_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
     product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(acc)
     return TensorHandle(product + d.data, d.dtype.scalar)

@@ -324,8 +324,11 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
                   local_expert_offset=local_expert_offset, PACKED=packed, **(pdl or {}))
     lora1 = lora2 = {}
     if bank is not None:
-        if packed:
-            raise ValueError("bank: the token-major LoRA takes (ids, expert_weights) routing, not packed words")
+        if packed or weight_on_input or not round_weights:
+            raise ValueError("bank: the token-major LoRA takes (ids, expert_weights) routing with round_weights=True "
+                             "and weight_on_input=False (its W2 term is weighted as the fused decode mode weights it)")
+        if lora_ids is not None and not lora_ids.is_contiguous():
+            raise ValueError("lora_ids: expected a contiguous int [T] tensor; pass lora_ids.contiguous()")
         if lora_ids is None:  # no adapter: rank vectors never read
             lora_ids = torch.full((T,), -1, dtype=torch.int32, device=x.device)
             s13, s2 = (torch.empty(0, dtype=d, device=x.device) for d in (x.dtype, torch.float32))
