@@ -91,9 +91,10 @@ TUNED_CONFIGS = {(9, 0): CONFIG_BUCKETS}
 #: The smallest expert (bytes of its w13 and w2) that keeps its bucket's group_m; smaller experts sweep with
 #: group_m = 1. H200, 2026-12-02 (BENCHMARKS.md, "One tile table for every shape"): group_m = 8 against 1 timed
 #: 0.84-0.91x on Mixtral (352 MB an expert) at T = 1024-16384, 0.97-1.00x at 129-512 rows an expert on four
-#: shapes of 9-50 MB experts, and 1.02-1.12x on those shapes above 512 rows (GPT-OSS-20B's 50 MB: 1.12x). No
-#: expert between 50 and 352 MB was timed: the bound sits at their geometric middle, so DeepSeek-V3's 88 MB
-#: experts keep group_m = 1.
+#: shapes of 9-50 MB experts, and 1.02-1.12x on those shapes above 512 rows (GPT-OSS-20B's 50 MB: 1.12x). The
+#: bound sits at the geometric middle of 50 and 352 MB; DeepSeek-V3's 88 MB experts, timed since (T = 16384, 512
+#: rows an expert, scripts/tune_moe.py at 755c443), read 0.99x with group_m = 8 (25534 against 25743 µs): within 1 %,
+#: so they keep group_m = 1.
 GROUP_M_MIN_EXPERT_BYTES = 128 << 20
 #: Shared memory kept free of the pipeline's stages for the epilogue, and with the fused LoRA's expand operands
 #: beside them (measured on the H200, 227 KB a block: 200 KB of stages ran, and 216 KB with the operands).
