@@ -91,6 +91,21 @@ def pdl_launch(device: torch.device) -> dict:
     return {"USE_GDC": True, "launch_pdl": True} if _pdl_devices[index] else {}
 
 
+def ensure_triton_allocator() -> None:
+    """Give Triton an allocator for the global scratch its on-device TMA descriptors need (``torch.empty`` on the
+    launch's device), unless the process set one; Triton's default allocator raises. Called by the GEMM launchers
+    before a TMA launch (the allocator is per thread in Triton)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch: ``size`` bytes on the current CUDA device (torch's allocator aligns to 512 B)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def triton_can_run(device: torch.device) -> bool:
     """Triton runs compiled on any CUDA device, and in its interpreter on CPU tensors."""
     if not HAS_TRITON:

@@ -25,6 +25,7 @@ The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -100,6 +101,11 @@ GROUP_M_MIN_EXPERT_BYTES = 128 << 20
 #: beside them (measured on the H200, 227 KB a block: 200 KB of stages ran, and 216 KB with the operands).
 _EPILOGUE_RESERVE = 27 * 1024
 _EPILOGUE_RESERVE_LORA = 11 * 1024
+#: The GEMMs read their weight tiles (and GEMM2 its activation tiles) through Hopper's TMA (tensor descriptors
+#: built on the device, ``W_DESC``) on tiles of TMA_MIN_BLOCK_M rows or more, on SM 9.0+ GPUs and in the
+#: interpreter. ``MOELAB_TMA=0`` (or this flag) keeps the pointer loads everywhere.
+TMA: bool = os.environ.get("MOELAB_TMA", "1") == "1"
+TMA_MIN_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
@@ -219,18 +225,19 @@ def _tile_prologue(out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_
     """The start both GEMM kernels share: wait for the previous kernel (PDL), find this program's tile of the
     [num_rows, N] output and its local expert; a tile past the live rows (expert -1) is filled with ``DEAD_FILL``
     by the caller, which returns without reading a weight. Returns (pid_m, rows, cols, col_ok, out_ptrs, out_mask,
-    expert)."""
+    expert, n0), n0 the tile's first column."""
     wait_for_previous_kernel(USE_GDC)
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_r + cols[None, :]
     out_mask = (rows < num_rows)[:, None] & col_ok[None, :]
     expert = -1
     if pid_m < num_live_blocks:
         expert = tl.load(block_group_ptr + pid_m)
-    return pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert
+    return pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0
 
 
 @jit
@@ -256,8 +263,12 @@ def _gemm1_swiglu_kernel(
     # table ranks_ptr int32 [L]; the tile's lowest adapter expanded from operands read before the K loop, the others
     # after it, RANK_CHUNK ranks a step
     ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
+    # W_DESC: the weight tiles come through a Hopper TMA descriptor over w13 as [w_rows, H] (w_rows = E_local * 2I, or
+    # E_local * I not gated; H * itemsize a multiple of 16 B), zero-filled past H; columns a tile reads past I (the
+    # up rows, or the next expert's) are never stored
+    w_rows=0, W_DESC: tl.constexpr = False,
 ):
-    pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
+    pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_prologue(
         act_ptr, stride_act_r, block_group_ptr, num_live_blocks, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
     if expert < 0:  # past the live rows: no weights to read
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, act_ptr.dtype.element_ty), mask=out_mask)
@@ -313,8 +324,21 @@ def _gemm1_swiglu_kernel(
             b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_DESC:
+        w_desc = tl.make_tensor_descriptor(w13_ptr, shape=[w_rows, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K])
+        gate_row = expert * (2 * I if GATED else I) + n0
     for k0 in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
+        if W_DESC:
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=row_ok[:, None] & (ks + k0 * BLOCK_K < H)[None, :], other=0.0)
+            if GATED:
+                wg = w_desc.load([gate_row, k0 * BLOCK_K]).T
+                wu = w_desc.load([gate_row + I, k0 * BLOCK_K]).T
+            else:
+                wu = w_desc.load([gate_row, k0 * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             if GATED:
                 wg = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
@@ -392,8 +416,11 @@ def _gemm2_kernel(
     # LORA_OWN (the adapter loop): s2 of each row's own adapter, [T*K, R_PAD] fp32 unweighted (decode) or [R, R_PAD]
     # weighted (tiles); the rank table; the lowest adapter's operands read now, the others after the K loop
     ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
+    # W_DESC: act [num_rows, I] and w2 as [w_rows = E_local * H, I] through Hopper TMA descriptors (I * itemsize and
+    # stride_act_r * itemsize multiples of 16 B), zero-filled past I; columns read past H are never stored
+    w_rows=0, W_DESC: tl.constexpr = False,
 ):
-    pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert = _tile_prologue(
+    pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_prologue(
         out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
     if expert < 0:
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
@@ -434,8 +461,16 @@ def _gemm2_kernel(
             b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
                                 L_PAD, R_PAD)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_DESC:
+        a_desc = tl.make_tensor_descriptor(act_ptr, shape=[num_rows, I], strides=[stride_act_r, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w2_ptr, shape=[w_rows, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
+        w_row = expert * H + n0
     for k0 in range(0, tl.cdiv(I, BLOCK_K)):
-        if EVEN_K:
+        if W_DESC:
+            a = a_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
+            w = w_desc.load([w_row, k0 * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
         else:
@@ -469,6 +504,30 @@ def _gemm2_kernel(
 _GEMM1_NO_LORA = ("s13_ptr", "tile_flags_ptr", "up_b_ptr", "gate_b_ptr", "lora_ids_ptr", "down_a_ptr", "s2_ptr")
 _GEMM2_NO_LORA = ("s2_ptr", "tile_flags_ptr", "down_b_ptr", "row_to_slot_ptr", "lora_ids_ptr", "weights_ptr")
 _NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
+_tma_devices: dict[int, bool] = {}
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """``t`` can back a TMA descriptor over its last two dimensions: unit column stride, its row stride and base
+    address multiples of 16 bytes."""
+    return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def takes_tma(config: GemmConfig, weight: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether a GEMM of ``config`` reads ``weight`` [E_local, N, K] (contiguous) and ``operands`` through TMA
+    descriptors (see ``TMA``)."""
+    if not TMA or config.block_m < TMA_MIN_BLOCK_M or not weight.is_contiguous():
+        return False
+    if not all(map(_tma_ok, (weight, *operands))):
+        return False
+    if weight.device.type != "cuda":
+        return _runtime.INTERPRET
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    if index not in _tma_devices:
+        _tma_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    if _tma_devices[index]:
+        _runtime.ensure_triton_allocator()
+    return _tma_devices[index]
 
 
 def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
@@ -498,6 +557,8 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
+    if takes_tma(config, w13):
+        options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True)
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
         x_ptr=x, w13_ptr=w13, delta_ptr=delta if delta is not None else x, act_ptr=act,
         row_to_slot_ptr=segments.row_to_slot, block_group_ptr=segments.block_group,
@@ -523,6 +584,8 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
         "top_k": 0}
     if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
         lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
+    if takes_tma(config, w2, act):
+        lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True)
     _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
         act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
         num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,

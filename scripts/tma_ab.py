@@ -1,0 +1,85 @@
+"""The GEMMs' TMA loads (``moelab.kernels.moe_gemm.TMA``) against their pointer loads, on a CUDA GPU (Hopper+).
+
+    python scripts/tma_ab.py                                      # six shapes, T = 128, 1024, 4096, 16384
+    python scripts/tma_ab.py --shape mixtral --tokens 4096 --json out.json
+
+For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
+weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed with the
+pointer loads (``TMA`` off), with TMA on tiles of 64 rows or more (the default ``TMA_MIN_BLOCK_M``) and with TMA on
+every tile (``TMA_MIN_BLOCK_M = 16``), in the order A B C C B A (two medians each, averaged: drift cancels), eagerly
+and, up to ``--graph-max-t``, replayed from a CUDA graph (``moelab.roofline.median_us``: medians of
+``triton.testing.do_bench``, L2 flushed). Each TMA output is checked against the pointer loads' (relative error <
+1e-2; "bitwise" says whether they are equal) before it is timed. Prints a table; ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from token_major_ab import _call, _inputs, _layer  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
+from moelab.bench.cli import _split_shapes
+from moelab.kernels import moe_gemm
+from moelab.lab import rel_err
+from moelab.roofline import get_shape, graphed, median_us
+
+MODES = {"pointers": (False, 64), "tma64": (True, 64), "tma16": (True, 16)}
+
+
+def _mode(name):
+    moe_gemm.TMA, moe_gemm.TMA_MIN_BLOCK_M = MODES[name]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408")
+    p.add_argument("--tokens", default="128,1024,4096,16384")
+    p.add_argument("--graph-max-t", type=int, default=1024)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    device = torch.device("cuda")
+    rows = []
+    print("| shape | T | mode | eager µs | graph µs | eager / pointers | graph / pointers | rel err | bitwise |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in (get_shape(name) for name in _split_shapes(a.shape)):
+        weights = _layer(shape, torch.bfloat16, device)
+        for T in (int(t) for t in a.tokens.split(",")):
+            x, packed = _inputs(shape, T, torch.bfloat16, device)
+            call = _call(packed, x, weights, shape)
+            _mode("pointers")
+            want = call().clone()
+            times = {m: [] for m in MODES}
+            checks = {}
+            for name in list(MODES) + list(reversed(MODES)):
+                _mode(name)
+                if name not in checks:
+                    got = call()
+                    checks[name] = (rel_err(got, want), torch.equal(got, want))
+                    assert checks[name][0] < 1e-2, f"{shape.name} T={T} {name}: rel err {checks[name][0]:.2e}"
+                eager = median_us(call, device)
+                graph = median_us(graphed(call, device), device) if T <= a.graph_max_t else None
+                times[name].append((eager, graph))
+            _mode("pointers")
+            for name in MODES:
+                eager = sum(t[0] for t in times[name]) / 2
+                graph = None if times[name][0][1] is None else sum(t[1] for t in times[name]) / 2
+                base_e = sum(t[0] for t in times["pointers"]) / 2
+                base_g = None if graph is None else sum(t[1] for t in times["pointers"]) / 2
+                row = dict(shape=shape.name, T=T, mode=name, eager_us=eager, graph_us=graph, rel_err=checks[name][0],
+                           bitwise=checks[name][1], medians=times[name])
+                rows.append(row)
+                g = "" if graph is None else f"{graph:.1f}"
+                gr = "" if graph is None else f"{graph / base_g:.3f}"
+                print(f"| {shape.name} | {T} | {name} | {eager:.1f} | {g} | {eager / base_e:.3f} | {gr} | "
+                      f"{checks[name][0]:.1e} | {checks[name][1]} |", flush=True)
+        del weights, call
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The GEMMs' TMA loads (``moe_gemm.W_DESC``: weight tiles, and GEMM2's activation tiles, through tensor
+descriptors) on tiles of 64 rows or more: right against the float64 reference where the tiles read past the end of
+K (zero-filled), past an expert's columns into the next expert's rows (never stored) and past the last expert, and
+the same output as the pointer loads. On a CPU the kernels run in Triton's interpreter."""
+
+import pytest
+import torch
+from helpers import assert_close_to_reference, poison, random_experts, random_topk_ids, random_weights
+
+import moelab
+from moelab import reference
+from moelab.backends import triton_backend
+from moelab.contract import RoutedMoECall
+from moelab.kernels import moe_gemm
+from moelab.kernels.moe_gemm import GemmConfig
+
+
+def _routed(x, ids, w, W, E, K, config, *, activation="silu"):
+    out = poison(torch.empty_like(x))
+    call = RoutedMoECall((ids, w), None, x, W, num_experts=E, top_k=K, local_expert_offset=0,
+                         gemm1_lora_delta=None, do_finalize=True, output=out)
+    return triton_backend.routed_moe(call, config=config).output
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H, I", [(64, 64), (72, 80)], ids=["even", "K-tail-and-column-tail"])
+def test_tma_loads_match_the_reference_and_the_pointer_loads(H, I, dtype, device, monkeypatch):
+    T, K, E = 40, 4, 4  # 40 rows an expert: one 64-row tile each
+    g = torch.Generator().manual_seed(H + I)
+    w13, w2 = random_experts(E, H, I, dtype, device=device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    ids = random_topk_ids(T, K, E, generator=g, device=device)
+    w = random_weights(T, K, generator=g, device=device)
+    W = moelab.prepare_weights(w13, w2, backend="triton")
+    config = GemmConfig(64, 32, 32, 4, 1)
+    monkeypatch.setattr(moe_gemm, "TMA", True)
+    launched = []
+    takes = moe_gemm.takes_tma
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
+    out_tma = _routed(x, ids, w, W, E, K, config)
+    assert launched == [True, True], "both GEMMs should have taken the TMA loads"
+    monkeypatch.setattr(moe_gemm, "TMA", False)
+    out_ptr = _routed(x, ids, w, W, E, K, config)
+    assert launched[2:] == [False, False]
+    ref = reference.routed_moe(ids, w, x, w13, w2)
+    assert_close_to_reference(out_tma, ref["output"], dtype, f"TMA, H={H} I={I}")
+    assert_close_to_reference(out_ptr, ref["output"], dtype, f"pointers, H={H} I={I}")
+    if device.type == "cpu":  # the interpreter multiplies each product exactly: the same sums in the same order
+        assert torch.equal(out_tma, out_ptr)
+
+
+def test_tma_needs_aligned_operands_and_wide_tiles(device, monkeypatch):
+    monkeypatch.setattr(moe_gemm, "TMA", True)
+    config = GemmConfig(64, 32, 32, 4, 1)
+    w = torch.zeros(2, 32, 64, device=device)
+    assert moe_gemm.takes_tma(config, w)
+    assert not moe_gemm.takes_tma(GemmConfig(32, 32, 32, 4, 1), w), "decode tiles keep the pointer loads"
+    assert not moe_gemm.takes_tma(config, torch.zeros(2, 32, 66, device=device)[..., :65]), "rows of 260 B"
+    assert not moe_gemm.takes_tma(config, w.transpose(1, 2)), "a transposed weight is not K-major"
+    assert not moe_gemm.takes_tma(config, w, torch.zeros(65, device=device)[1:].view(1, 64)), "misaligned base"
