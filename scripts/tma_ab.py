@@ -5,11 +5,12 @@
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed with the
-pointer loads (``TMA`` off), with TMA on tiles of 64 rows or more (the default ``TMA_MIN_BLOCK_M``) and with TMA on
-every tile (``TMA_MIN_BLOCK_M = 16``), in the order A B C C B A (two medians each, averaged: drift cancels), eagerly
-and, up to ``--graph-max-t``, replayed from a CUDA graph (``moelab.roofline.median_us``: medians of
-``triton.testing.do_bench``, L2 flushed). Each TMA output is checked against the pointer loads' (relative error <
-1e-2; "bitwise" says whether they are equal) before it is timed. Prints a table; ``--json`` writes the rows.
+pointer loads (``TMA`` off), with TMA where its rule takes it (``TMA_MIN_BLOCK_M``, ``TMA_MIN_HI``: "rule") and
+with TMA on every tile of 16 rows or more of any expert ("everywhere"), in the order A B C C B A (two medians
+each, averaged: drift cancels), eagerly and, up to ``--graph-max-t``, replayed from a CUDA graph
+(``moelab.roofline.median_us``: medians of ``triton.testing.do_bench``, L2 flushed). Each TMA output is checked
+against the pointer loads' (relative error < 1e-2; "bitwise" says whether they are equal)
+before it is timed. Prints a table; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from moelab.kernels import moe_gemm
 from moelab.lab import rel_err
 from moelab.roofline import get_shape, graphed, median_us
 
-MODES = {"pointers": (False, 64), "tma64": (True, 64), "tma16": (True, 16)}
+#: (TMA, TMA_MIN_BLOCK_M, TMA_MIN_HI) of each mode. 204f0a7's run named its modes by the block rows alone, on every
+#: expert: "tma64" (64, 0) and "tma16" (16, 0).
+MODES = {"pointers": (False, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI),
+         "rule": (True, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI), "everywhere": (True, 16, 0)}
 
 
 def _mode(name):
-    moe_gemm.TMA, moe_gemm.TMA_MIN_BLOCK_M = MODES[name]
+    moe_gemm.TMA, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI = MODES[name]
 
 
 def main(argv=None):

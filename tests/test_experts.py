@@ -421,15 +421,20 @@ def test_validate_reads_the_device_at_most_once(validate, reads, device, monkeyp
     assert (host_reads, syncing) == (["tolist"] * reads, [])
 
 
-@pytest.mark.parametrize("config", [(32, 64, 64, 4, 1, 1), (128, 128, 64, 8, 1, 8)], ids=["32-row", "128-row-g8"])
+@pytest.mark.parametrize("config, tma", [((32, 64, 64, 4, 1, 1), False), ((128, 128, 64, 8, 1, 8), False),
+                                         ((128, 128, 64, 8, 1, 8), True)], ids=["32-row", "128-row-g8", "128-row-tma"])
 @pytest.mark.parametrize("fused", ["decode", "tiles", "adapter-loop", False])
-def test_lora_paths_on_the_gpu_tile_shapes(config, fused, device, monkeypatch):
+def test_lora_paths_on_the_gpu_tile_shapes(config, tma, fused, device, monkeypatch):
     """Every LoRA path on tile shapes of the GPU table that the interpreter's own 16-row tile never tries: 32-row
-    tiles (12-16 rows an expert) and 128-row tiles in the grouped order (Mixtral-sized experts). Right against the
-    float64 reference; tokens without an adapter bit for bit the base path on the same tiles."""
+    tiles (12-16 rows an expert) and 128-row tiles in the grouped order (Mixtral-sized experts), with the GEMMs'
+    pointer loads and with their TMA loads (thresholds lowered to this small shape). Right against the float64
+    reference; tokens without an adapter bit for bit the base path on the same tiles."""
     from moelab.backends import triton_backend
+    from moelab.kernels import moe_gemm
     from moelab.kernels.moe_gemm import GemmConfig
 
+    monkeypatch.setattr(moe_gemm, "TMA", tma)
+    monkeypatch.setattr(moe_gemm, "TMA_MIN_HI", 0)
     monkeypatch.setattr(triton_backend, "choose_config", lambda *a, **k: GemmConfig(*config))
     monkeypatch.setattr(triton_backend, "_layout", triton_backend._layout.__wrapped__)  # uncached: the config above
     T, K, E, H, I = 24, 2, 4, 64, 48  # ~12 rows an expert: one row tile of either size holds several adapters

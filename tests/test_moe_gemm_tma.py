@@ -1,5 +1,6 @@
 """The GEMMs' TMA loads (``moe_gemm.W_DESC``: weight tiles, and GEMM2's activation tiles, through tensor
-descriptors) on tiles of 64 rows or more: right against the float64 reference where the tiles read past the end of
+descriptors) on wide tiles of large experts (the thresholds lowered here to reach the interpreter's small
+shapes): right against the float64 reference where the tiles read past the end of
 K (zero-filled), past an expert's columns into the next expert's rows (never stored) and past the last expert, and
 the same output as the pointer loads. On a CPU the kernels run in Triton's interpreter."""
 
@@ -33,7 +34,7 @@ def test_tma_loads_match_the_reference_and_the_pointer_loads(H, I, dtype, device
     w = random_weights(T, K, generator=g, device=device)
     W = moelab.prepare_weights(w13, w2, backend="triton")
     config = GemmConfig(64, 32, 32, 4, 1)
-    monkeypatch.setattr(moe_gemm, "TMA", True)
+    _tma_everywhere(monkeypatch)
     launched = []
     takes = moe_gemm.takes_tma
     monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
@@ -49,12 +50,21 @@ def test_tma_loads_match_the_reference_and_the_pointer_loads(H, I, dtype, device
         assert torch.equal(out_tma, out_ptr)
 
 
-def test_tma_needs_aligned_operands_and_wide_tiles(device, monkeypatch):
+def _tma_everywhere(monkeypatch):
     monkeypatch.setattr(moe_gemm, "TMA", True)
-    config = GemmConfig(64, 32, 32, 4, 1)
-    w = torch.zeros(2, 32, 64, device=device)
-    assert moe_gemm.takes_tma(config, w)
-    assert not moe_gemm.takes_tma(GemmConfig(32, 32, 32, 4, 1), w), "decode tiles keep the pointer loads"
-    assert not moe_gemm.takes_tma(config, torch.zeros(2, 32, 66, device=device)[..., :65]), "rows of 260 B"
-    assert not moe_gemm.takes_tma(config, w.transpose(1, 2)), "a transposed weight is not K-major"
-    assert not moe_gemm.takes_tma(config, w, torch.zeros(65, device=device)[1:].view(1, 64)), "misaligned base"
+    monkeypatch.setattr(moe_gemm, "TMA_MIN_BLOCK_M", 64)
+    monkeypatch.setattr(moe_gemm, "TMA_MIN_HI", 0)
+
+
+def test_tma_rule(device, monkeypatch):
+    monkeypatch.setattr(moe_gemm, "TMA", True)
+    wide, w = GemmConfig(128, 128, 64, 8, 3), torch.zeros(2, 32, 64, device=device)
+    big, small = 4096 * 14336, 2048 * 768  # Mixtral's experts, Qwen3-30B-A3B's
+    assert moe_gemm.takes_tma(wide, big, w)
+    assert not moe_gemm.takes_tma(wide, small, w), "small experts keep the pointer loads"
+    assert not moe_gemm.takes_tma(GemmConfig(64, 128, 64, 4, 4), big, w), "64-row tiles keep the pointer loads"
+    assert not moe_gemm.takes_tma(wide, big, torch.zeros(2, 32, 66, device=device)[..., :65]), "rows of 260 B"
+    assert not moe_gemm.takes_tma(wide, big, w.transpose(1, 2)), "a transposed weight is not K-major"
+    assert not moe_gemm.takes_tma(wide, big, w, torch.zeros(65, device=device)[1:].view(1, 64)), "misaligned base"
+    monkeypatch.setattr(moe_gemm, "TMA", False)
+    assert not moe_gemm.takes_tma(wide, big, w), "MOELAB_TMA=0 keeps the pointer loads"

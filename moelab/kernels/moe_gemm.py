@@ -102,10 +102,15 @@ GROUP_M_MIN_EXPERT_BYTES = 128 << 20
 _EPILOGUE_RESERVE = 27 * 1024
 _EPILOGUE_RESERVE_LORA = 11 * 1024
 #: The GEMMs read their weight tiles (and GEMM2 its activation tiles) through Hopper's TMA (tensor descriptors
-#: built on the device, ``W_DESC``) on tiles of TMA_MIN_BLOCK_M rows or more, on SM 9.0+ GPUs and in the
-#: interpreter. ``MOELAB_TMA=0`` (or this flag) keeps the pointer loads everywhere.
+#: built on the device, ``W_DESC``) on tiles of TMA_MIN_BLOCK_M rows or more, for experts of TMA_MIN_HI = H * I
+#: elements or more, on SM 9.0+ GPUs and in the interpreter. ``MOELAB_TMA=0`` (or this flag) keeps the pointer loads
+#: everywhere. H200, 2026-12-02 (scripts/tma_ab.py at 204f0a7, BENCHMARKS.md "TMA loads"): 0.86x on Mixtral
+#: (H * I = 58.7 Mi) at T = 16384 and 0.96x at 4096, 0.95-0.97x on DeepSeek-V3's layer (14 Mi) and 0.94-0.96x on
+#: GPT-OSS-20B (7.9 Mi) at T = 4096-16384; 0.98-1.03x on the experts of 1.5-2.8 Mi (Qwen3-30B-A3B, OLMoE, E64 K6),
+#: and 1.00-1.03x under graphs at 32-128 rows an expert (64-row tiles) on every shape.
 TMA: bool = os.environ.get("MOELAB_TMA", "1") == "1"
-TMA_MIN_BLOCK_M = 64
+TMA_MIN_BLOCK_M = 128
+TMA_MIN_HI = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -513,10 +518,11 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def takes_tma(config: GemmConfig, weight: torch.Tensor, *operands: torch.Tensor) -> bool:
-    """Whether a GEMM of ``config`` reads ``weight`` [E_local, N, K] (contiguous) and ``operands`` through TMA
-    descriptors (see ``TMA``)."""
-    if not TMA or config.block_m < TMA_MIN_BLOCK_M or not weight.is_contiguous():
+def takes_tma(config: GemmConfig, hidden_x_inter: int, weight: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether a GEMM of ``config`` over experts of ``hidden_x_inter`` = H * I reads ``weight`` [E_local, N, K]
+    (contiguous; GEMM1's w13 or GEMM2's w2) and ``operands`` through TMA descriptors (see ``TMA``)."""
+    if (not TMA or config.block_m < TMA_MIN_BLOCK_M or hidden_x_inter < TMA_MIN_HI
+            or not weight.is_contiguous()):
         return False
     if not all(map(_tma_ok, (weight, *operands))):
         return False
@@ -557,7 +563,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
-    if takes_tma(config, w13):
+    if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True)
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
         x_ptr=x, w13_ptr=w13, delta_ptr=delta if delta is not None else x, act_ptr=act,
@@ -584,7 +590,7 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
         "top_k": 0}
     if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
         lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
-    if takes_tma(config, w2, act):
+    if takes_tma(config, H * I, w2, act):
         lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True)
     _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
         act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
