@@ -12,7 +12,9 @@ router weight on the input (Llama-4), rounded to the input dtype; GEMM2 adds its
 expert shared by the whole tile of rows, ``d`` the optional ``gemm1_lora_delta`` row of the slot
 (FlashInfer's **[up, gate]** order) added to the fp32 accumulators before SwiGLU. The weights stay in HF
 order (``w13 [E_local, 2I, H]`` rows [gate; up], ``w2 [E_local, H, I]``), read K-major like vLLM's
-``fused_moe_kernel``. Padding rows (slot -1) and tiles past the live rows are written with ``DEAD_FILL``
+``fused_moe_kernel``: by pointer loads, or on Hopper's wide tiles of large experts through TMA descriptors
+(``TMA``: weight tiles, and GEMM2's activation tiles; GEMM1 gathers its input rows by pointer either way).
+Padding rows (slot -1) and tiles past the live rows are written with ``DEAD_FILL``
 (0, or NaN in debug mode); dead tiles touch no weight.
 
 With a fused LoRA bank (``LORA``) the epilogues also expand the bank's rank vectors, which
