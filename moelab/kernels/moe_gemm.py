@@ -113,6 +113,9 @@ _EPILOGUE_RESERVE_LORA = 11 * 1024
 TMA: bool = os.environ.get("MOELAB_TMA", "1") == "1"
 TMA_MIN_BLOCK_M = 128
 TMA_MIN_HI = 4 << 20
+#: Triton's warp specialisation of the K loop (``tl.range(..., warp_specialize=True)``) on the TMA launches of GEMM1
+#: and GEMM2; off until measured (scripts/tma_ab.py's "ws" modes).
+WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def _gemm1_swiglu_kernel(
     # W_DESC: the weight tiles come through a Hopper TMA descriptor over w13 as [w_rows, H] (w_rows = E_local * 2I, or
     # E_local * I not gated; H * itemsize a multiple of 16 B), zero-filled past H; columns a tile reads past I (the
     # up rows, or the next expert's) are never stored
-    w_rows=0, W_DESC: tl.constexpr = False,
+    w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_prologue(
         act_ptr, stride_act_r, block_group_ptr, num_live_blocks, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -334,7 +337,7 @@ def _gemm1_swiglu_kernel(
     if W_DESC:
         w_desc = tl.make_tensor_descriptor(w13_ptr, shape=[w_rows, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K])
         gate_row = expert * (2 * I if GATED else I) + n0
-    for k0 in range(0, tl.cdiv(H, BLOCK_K)):
+    for k0 in tl.range(0, tl.cdiv(H, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
         if W_DESC:
             if EVEN_K:
                 a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -425,7 +428,7 @@ def _gemm2_kernel(
     ranks_ptr=None, LORA_OWN: tl.constexpr = False, RANK_CHUNK: tl.constexpr = 16,
     # W_DESC: act [num_rows, I] and w2 as [w_rows = E_local * H, I] through Hopper TMA descriptors (I * itemsize and
     # stride_act_r * itemsize multiples of 16 B), zero-filled past I; columns read past H are never stored
-    w_rows=0, W_DESC: tl.constexpr = False,
+    w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_prologue(
         out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
@@ -473,7 +476,7 @@ def _gemm2_kernel(
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w2_ptr, shape=[w_rows, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
         w_row = expert * H + n0
-    for k0 in range(0, tl.cdiv(I, BLOCK_K)):
+    for k0 in tl.range(0, tl.cdiv(I, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
         if W_DESC:
             a = a_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
             w = w_desc.load([w_row, k0 * BLOCK_K]).T
@@ -566,7 +569,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     if takes_tma(config, H * I, w13):
-        options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True)
+        options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
         x_ptr=x, w13_ptr=w13, delta_ptr=delta if delta is not None else x, act_ptr=act,
         row_to_slot_ptr=segments.row_to_slot, block_group_ptr=segments.block_group,
@@ -593,7 +596,7 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
         lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
     if takes_tma(config, H * I, w2, act):
-        lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True)
+        lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
     _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
         act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
         num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,
