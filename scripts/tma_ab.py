@@ -16,10 +16,9 @@ before it is timed. Prints a table; ``--json`` writes the rows.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from token_major_ab import _call, _inputs, _layer  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from token_major_ab import _call, _inputs, _layer, write_rows  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from moelab.bench.cli import _split_shapes
 from moelab.kernels import moe_gemm
@@ -93,9 +92,7 @@ def main(argv=None):
                       f"{checks[name][0]:.1e} | {checks[name][1]} |", flush=True)
         del weights, call
         torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    write_rows(a.json, rows)
 
 
 if __name__ == "__main__":

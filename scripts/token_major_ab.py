@@ -135,8 +135,13 @@ def main(argv=None):
                   f"{tm[1]:.1f} | {tiled[1] / tm[1]:.2f} | {auto[0]:.1f} | {auto[1]:.1f} | {best} |", flush=True)
         del weights, call
         torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
+    write_rows(a.json, rows)
+
+
+def write_rows(path: str | None, rows: list) -> None:
+    """Write the rows, with the GPU and torch version, to the JSON file ``path`` (None: nothing)."""
+    if path:
+        with open(path, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 

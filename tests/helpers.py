@@ -44,6 +44,31 @@ def random_experts(E: int, H: int, I: int, dtype, *, device="cpu", scale: float 
     return w13, w2
 
 
+def routed_problem(T: int, K: int, E: int, H: int, I: int, dtype, *, seed: int, device="cpu"):
+    """A random routed-MoE problem: (x [T, H], topk ids [T, K], weights [T, K], w13, w2, the triton backend's
+    prepared weights)."""
+    import moelab
+
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = random_experts(E, H, I, dtype, device=device)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    ids = random_topk_ids(T, K, E, generator=g, device=device)
+    w = random_weights(T, K, generator=g, device=device)
+    return x, ids, w, w13, w2, moelab.prepare_weights(w13, w2, backend="triton")
+
+
+def routed_on_tiles(config, x, ids, w, W, E: int, K: int):
+    """The triton backend's routed MoE on GEMM tiles ``config`` into a poisoned output: (output, GEMM2's output)."""
+    from moelab.backends import triton_backend
+    from moelab.contract import RoutedMoECall
+
+    out = poison(torch.empty_like(x))
+    call = RoutedMoECall((ids, w), None, x, W, num_experts=E, top_k=K, local_expert_offset=0,
+                         gemm1_lora_delta=None, do_finalize=True, output=out)
+    result = triton_backend.routed_moe(call, config=config)
+    return result.output, result.gemm2_output
+
+
 def lora_and_base_outputs(experts, x, topk_weights, topk_ids, lora_ids):
     """``experts`` called with ``lora_ids`` and without LoRA, in moelab's debug mode (every launch checked):
     returns (out, base), both [T, H]."""

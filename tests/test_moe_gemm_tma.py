@@ -6,42 +6,27 @@ the same output as the pointer loads. On a CPU the kernels run in Triton's inter
 
 import pytest
 import torch
-from helpers import assert_close_to_reference, poison, random_experts, random_topk_ids, random_weights
+from helpers import assert_close_to_reference, routed_on_tiles, routed_problem
 
-import moelab
 from moelab import reference
-from moelab.backends import triton_backend
-from moelab.contract import RoutedMoECall
 from moelab.kernels import moe_gemm
 from moelab.kernels.moe_gemm import GemmConfig
-
-
-def _routed(x, ids, w, W, E, K, config, *, activation="silu"):
-    out = poison(torch.empty_like(x))
-    call = RoutedMoECall((ids, w), None, x, W, num_experts=E, top_k=K, local_expert_offset=0,
-                         gemm1_lora_delta=None, do_finalize=True, output=out)
-    return triton_backend.routed_moe(call, config=config).output
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("H, I", [(64, 64), (72, 80)], ids=["even", "K-tail-and-column-tail"])
 def test_tma_loads_match_the_reference_and_the_pointer_loads(H, I, dtype, device, monkeypatch):
     T, K, E = 40, 4, 4  # 40 rows an expert: one 64-row tile each
-    g = torch.Generator().manual_seed(H + I)
-    w13, w2 = random_experts(E, H, I, dtype, device=device)
-    x = torch.randn(T, H, generator=g).to(dtype).to(device)
-    ids = random_topk_ids(T, K, E, generator=g, device=device)
-    w = random_weights(T, K, generator=g, device=device)
-    W = moelab.prepare_weights(w13, w2, backend="triton")
+    x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=H + I, device=device)
     config = GemmConfig(64, 32, 32, 4, 1)
     _tma_everywhere(monkeypatch)
     launched = []
     takes = moe_gemm.takes_tma
     monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
-    out_tma = _routed(x, ids, w, W, E, K, config)
+    out_tma = routed_on_tiles(config, x, ids, w, W, E, K)[0]
     assert launched == [True, True], "both GEMMs should have taken the TMA loads"
     monkeypatch.setattr(moe_gemm, "TMA", False)
-    out_ptr = _routed(x, ids, w, W, E, K, config)
+    out_ptr = routed_on_tiles(config, x, ids, w, W, E, K)[0]
     assert launched[2:] == [False, False]
     ref = reference.routed_moe(ids, w, x, w13, w2)
     assert_close_to_reference(out_tma, ref["output"], dtype, f"TMA, H={H} I={I}")
