@@ -29,7 +29,7 @@ from moelab.roofline import get_shape, graphed, median_us
 #: expert: "tma64" (64, 0) and "tma16" (16, 0).
 MODES = {"pointers": (False, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI),
          "rule": (True, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI), "everywhere": (True, 16, 0)}
-#: ``--ws``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, and of both GEMMs'.
+#: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's.
 WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True}}
 
 
@@ -44,9 +44,10 @@ def main(argv=None):
     p.add_argument("--tokens", default="128,1024,4096,16384")
     p.add_argument("--graph-max-t", type=int, default=1024)
     p.add_argument("--json", default=None)
-    p.add_argument("--ws", action="store_true", help="modes pointers, rule, ws-gemm2, ws-both instead")
+    p.add_argument("--ws", default=None, help=f"modes pointers, rule and these of {list(WS_MODES)} (comma list) "
+                   "instead (one per process is safest: a compiler abort ends the process)")
     a = p.parse_args(argv)
-    modes = ["pointers", "rule", *WS_MODES] if a.ws else list(MODES)
+    modes = ["pointers", "rule", *a.ws.split(",")] if a.ws else list(MODES)
     device = torch.device("cuda")
     rows, modes_failed = [], set()
     print("| shape | T | mode | eager µs | graph µs | eager / pointers | graph / pointers | rel err | bitwise |")
