@@ -366,7 +366,7 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
         return lora_flow.lora_experts(call, tiled)  # a wide bank past the adapter loop's crossover
     if call.hidden_states.shape[0] == 0:
         return call.output
-    weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
+    weights = _kernel_weights(call.topk_weights)
     lora = None
     if call.lora is not None:  # the stacked modes for a narrow bank, the adapter loop for a wide one (or forced)
         adapter_loop = wide or call.path == "adapter-loop"
@@ -379,6 +379,11 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
               W.gemm2_weights, call.num_experts, call.local_expert_offset, None, True, output=call.output, lora=lora,
               round_weights=True, expert=_expert_options(W), w13_bias=W.gemm1_bias, w2_bias=W.gemm2_bias)
     return call.output
+
+
+def _kernel_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """The routing weights as the kernels read them: float64 ones in fp32, others as they are."""
+    return topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
 
 
 def _lora_token_major(call: LoRAExpertsCall) -> bool:
@@ -395,7 +400,7 @@ def _lora_token_major(call: LoRAExpertsCall) -> bool:
             T, K, True, False, x.is_cuda and torch.cuda.is_current_stream_capturing(),
             num_local_experts=W.num_local_experts, expert_bytes=_expert_bytes(W.gemm1_weights, W.gemm2_weights))):
         return False
-    weights = call.topk_weights.float() if call.topk_weights.dtype == torch.float64 else call.topk_weights
+    weights = _kernel_weights(call.topk_weights)
     # The module's bank also without adapters in this batch: the same kernels run, none of its slots adding anything
     # (a bank on another device cannot take a LoRA call at all: its base calls keep the plain kernels)
     bank = call.lora or (call.bank if call.bank is not None and call.bank.device == x.device else None)
