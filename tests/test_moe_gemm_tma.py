@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import assert_close_to_reference, routed_on_tiles, routed_problem
 
+import moelab
 from moelab import reference
 from moelab.kernels import moe_gemm
 from moelab.kernels.moe_gemm import GemmConfig
@@ -53,3 +54,25 @@ def test_tma_rule(device, monkeypatch):
     assert not moe_gemm.takes_tma(wide, big, w, torch.zeros(65, device=device)[1:].view(1, 64)), "misaligned base"
     monkeypatch.setattr(moe_gemm, "TMA", False)
     assert not moe_gemm.takes_tma(wide, big, w), "MOELAB_TMA=0 keeps the pointer loads"
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_tma_loads_of_an_up_only_w13(bias, device, monkeypatch):
+    """Not gated (relu2, w13 [E, I, H]): each expert's rows of the TMA view are its I up rows."""
+    T, K, E, H, I, dtype = 40, 4, 4, 72, 80, torch.float32
+    g = torch.Generator().manual_seed(7 + bias)
+    w13 = (torch.randn(E, I, H, generator=g) / H**0.5).to(device)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device)
+    b13 = (torch.randn(E, I, generator=g) * 0.1).to(device) if bias else None
+    x = torch.randn(T, H, generator=g).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32).to(device)
+    w = torch.rand(T, K, generator=g).to(device) + 0.1
+    W = moelab.prepare_weights(w13, w2, backend="triton", activation="relu2", gated=False, w13_bias=b13)
+    _tma_everywhere(monkeypatch)
+    launched = []
+    takes = moe_gemm.takes_tma
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
+    out = routed_on_tiles(GemmConfig(64, 32, 32, 4, 1), x, ids, w, W, E, K)[0]
+    assert launched == [True, True]
+    ref = reference.routed_moe(ids, w, x, w13, w2, activation="relu2", gated=False, w13_bias=b13)
+    assert_close_to_reference(out, ref["output"], dtype, f"relu2, bias={bias}")
