@@ -5,6 +5,7 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx-after       # on the new one
     diff -r build/ptx-before build/ptx-after && echo identical
     python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
+    python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -57,6 +58,15 @@ OPTIONS = {
     "gemm2_bias": (GEMM2, dict(EVEN_K=True, **PREFILL, bias_ptr="*bf16")),
 }
 
+#: The TMA loads (``W_DESC``) on the wide tiles of large experts (``--tma``).
+TMA_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, W_DESC=True)
+TMA = {
+    "gemm1_tma": (GEMM1, dict(HAS_DELTA=False, EVEN_K=True, **TMA_TILE)),
+    "gemm1_tma_lora_tiles": (GEMM1, dict(HAS_DELTA=False, EVEN_K=True, **TMA_TILE, **TILES_LORA)),
+    "gemm2_tma": (GEMM2, dict(EVEN_K=True, **TMA_TILE)),
+    "gemm2_tma_lora_tiles": (GEMM2, dict(EVEN_K=True, **TMA_TILE, **TILES_LORA)),
+}
+
 
 def arg_type(name: str, consts: dict) -> str:
     if isinstance(consts.get(name), str) and consts[name].startswith("*"):
@@ -82,7 +92,8 @@ def compile_ptx(kernel, given: dict) -> str:
 
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    for name, (kernel, given) in (VARIANTS | (OPTIONS if "--options" in sys.argv else {})).items():
+    chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {})
+    for name, (kernel, given) in chosen.items():
         ptx = compile_ptx(kernel, {**BASE, **given})
         with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
             f.write(ptx)
