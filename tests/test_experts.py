@@ -435,6 +435,11 @@ def test_lora_paths_on_the_gpu_tile_shapes(config, tma, fused, device, monkeypat
 
     monkeypatch.setattr(moe_gemm, "TMA", tma)
     monkeypatch.setattr(moe_gemm, "TMA_MIN_HI", 0)
+    if tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA descriptors need an SM 9.0+ GPU (Hopper)")
+    launched = []
+    takes = moe_gemm.takes_tma
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
     monkeypatch.setattr(triton_backend, "choose_config", lambda *a, **k: GemmConfig(*config))
     monkeypatch.setattr(triton_backend, "_layout", triton_backend._layout.__wrapped__)  # uncached: the config above
     T, K, E, H, I = 24, 2, 4, 64, 48  # ~12 rows an expert: one row tile of either size holds several adapters
@@ -442,6 +447,7 @@ def test_lora_paths_on_the_gpu_tile_shapes(config, tma, fused, device, monkeypat
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton", fused=fused,
                                  lora=make_bank(adapters, E, 0, H, I, 8, torch.float32, device))
     out = experts(x, w, ids, lora_ids)
+    assert launched and set(launched) == {tma}, f"the GEMMs' TMA loads: expected {tma} at every launch"
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, experts.lora)
     assert_close_to_reference(out, ref["output"], torch.float32, f"fused={fused}, tiles {config}")
     base = experts(x, w, ids, None)

@@ -399,6 +399,8 @@ def _gemm1_swiglu_kernel(
     tl.store(out_ptrs, act, mask=out_mask)
     if LORA_DECODE:
         if has_lora:  # this column block's share of the W2 shrink, from the stored (rounded) activation
+            if W_DESC:  # columns past I came from other weight rows: finite, but no term of the shrink
+                act = tl.where(col_ok[None, :], act, 0.0)
             if LORA_OWN:
                 w2_shrink_share(act, a2, adapters, row_ranks, lo, hi, rank_lo, down_a_ptr, s2_ptr, s_rows, expert,
                                 cols, col_ok, I, num_local_experts, max_rank, R_PAD, RANK_CHUNK, DOT_F32, DOT_PRECISION)
