@@ -338,24 +338,22 @@ def _gemm1_swiglu_kernel(
         w_desc = tl.make_tensor_descriptor(w13_ptr, shape=[w_rows, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K])
         gate_row = expert * (2 * I if GATED else I) + n0
     for k0 in tl.range(0, tl.cdiv(H, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        if EVEN_K:  # the input rows, gathered by pointer on either path
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = ks + k0 * BLOCK_K < H
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptrs, mask=row_ok[:, None] & (ks + k0 * BLOCK_K < H)[None, :], other=0.0)
             if GATED:
                 wg = w_desc.load([gate_row, k0 * BLOCK_K]).T
                 wu = w_desc.load([gate_row + I, k0 * BLOCK_K]).T
             else:
                 wu = w_desc.load([gate_row, k0 * BLOCK_K]).T
         elif EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             if GATED:
                 wg = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
             wu = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = ks + k0 * BLOCK_K < H
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if GATED:
                 wg = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             wu = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
