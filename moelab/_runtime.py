@@ -77,7 +77,15 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
 #: (BENCHMARKS.md): in a graph T=32 272 vs 274.4 µs; eagerly T=128 366-412 vs 319 µs, so eager calls launch
 #: without it. ``MOELAB_PDL=0`` turns it off.
 PDL: bool = os.environ.get("MOELAB_PDL", "1") == "1"
-_pdl_devices: dict[int, bool] = {}
+_hopper_devices: dict[int, bool] = {}
+
+
+def is_hopper_or_newer(device: torch.device) -> bool:
+    """Whether the CUDA ``device`` is of compute capability 9.0 or newer (read once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _hopper_devices:
+        _hopper_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _hopper_devices[index]
 
 
 def pdl_launch(device: torch.device) -> dict:
@@ -85,17 +93,14 @@ def pdl_launch(device: torch.device) -> dict:
     captured on an SM 9.0+ GPU, else none (eager calls, the interpreter, CPU tensors, ``PDL`` off)."""
     if not PDL or INTERPRET or device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pdl_devices:
-        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return {"USE_GDC": True, "launch_pdl": True} if _pdl_devices[index] else {}
+    return {"USE_GDC": True, "launch_pdl": True} if is_hopper_or_newer(device) else {}
 
 
 def ensure_triton_allocator() -> None:
     """Give Triton an allocator for the global scratch its on-device TMA descriptors need (``torch.empty`` on the
     launch's device), unless the process set one; Triton's default allocator raises. Called by the GEMM launchers
     before a TMA launch (the allocator is per thread in Triton)."""
-    from triton.runtime import _allocation
+    from triton.runtime import _allocation  # imported here: only TMA launches need it
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)

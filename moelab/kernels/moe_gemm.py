@@ -514,7 +514,6 @@ def _gemm2_kernel(
 _GEMM1_NO_LORA = ("s13_ptr", "tile_flags_ptr", "up_b_ptr", "gate_b_ptr", "lora_ids_ptr", "down_a_ptr", "s2_ptr")
 _GEMM2_NO_LORA = ("s2_ptr", "tile_flags_ptr", "down_b_ptr", "row_to_slot_ptr", "lora_ids_ptr", "weights_ptr")
 _NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
-_tma_devices: dict[int, bool] = {}
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -533,12 +532,10 @@ def takes_tma(config: GemmConfig, hidden_x_inter: int, weight: torch.Tensor, *op
         return False
     if weight.device.type != "cuda":
         return _runtime.INTERPRET
-    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    if index not in _tma_devices:
-        _tma_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    if _tma_devices[index]:
-        _runtime.ensure_triton_allocator()
-    return _tma_devices[index]
+    if not _runtime.is_hopper_or_newer(weight.device):
+        return False
+    _runtime.ensure_triton_allocator()
+    return True
 
 
 def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
