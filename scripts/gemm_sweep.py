@@ -1,0 +1,125 @@
+"""Each grouped GEMM alone, over tile configs of its own, on a CUDA GPU: does GEMM1 or GEMM2 want other tiles than
+the one config the table gives both?
+
+    python scripts/gemm_sweep.py                                  # six shapes, T = 4096, 16384
+    python scripts/gemm_sweep.py --shape qwen3-30b-a3b --tokens 1024 --json out.json
+
+For each shape and T: the routing of ``K`` distinct uniform experts per token (packed words, bf16 random weights at
+the real size), the segments at the table's ``BLOCK_M`` (``choose_config``), then GEMM1 (``gemm1_swiglu``) and
+GEMM2 (``gemm2``) launched alone, each with the table's config and with every candidate of ``CANDIDATES``
+(the same BLOCK_M: the segments' tile), with the TMA loads where the rule takes them and, as a second variant, on
+every tile of 64 rows or more (``TMA_MIN_HI = 0``, ``TMA_MIN_BLOCK_M = 64``). Each candidate's output is compared with the table config's (relative error
+< 1e-2) on every reached row before it is timed (``triton.testing.do_bench`` median, L2 flushed). Prints a table
+per point (µs, time / the table config's); ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+import triton
+from token_major_ab import write_rows  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
+import moelab
+from moelab.bench.cli import _split_shapes
+from moelab.kernels import moe_gemm
+from moelab.kernels.moe_gemm import GemmConfig, choose_config, device_limits, fit_to_shared_memory
+from moelab.kernels.segments import build_segments_triton
+from moelab.lab import rel_err
+from moelab.roofline import get_shape
+
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages, group_m) tried at the table's BLOCK_M; stages fitted to the device.
+CANDIDATES = [(128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (128, 64, 8, 5, 1), (256, 64, 8, 3, 1), (256, 64, 8, 4, 1),
+              (128, 128, 8, 3, 1), (128, 128, 8, 2, 1), (256, 128, 8, 2, 1), (64, 64, 4, 4, 1), (128, 64, 4, 4, 1),
+              (128, 32, 8, 6, 1), (128, 64, 8, 3, 8), (256, 64, 8, 3, 8)]
+
+
+def _time(fn):
+    if not torch.cuda.is_available():  # a smoke run in Triton's interpreter: one call's wall time
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    return triton.testing.do_bench(fn, return_mode="median") * 1e3
+
+
+def sweep_point(shape, T, w13, w2, a, smem):
+    """The rows of one (shape, T): each GEMM of ``a.gemms`` over the table config and the candidates."""
+    E, K, H, I = shape.E, shape.K, shape.H, shape.I
+    dev = w13.device
+    x = torch.randn(T, H, device=dev).bfloat16()
+    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices.int()
+    packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, K, device=dev) + 0.1)
+    table = choose_config(T, K, E, expert_bytes=(w13[0].numel() + w2[0].numel()) * 2)
+    seg = build_segments_triton(packed, E, table.block_m, packed=True)
+    reach = seg.row_to_slot.numel()
+    live = seg.row_to_slot >= 0
+    act = torch.zeros(reach, I, dtype=torch.bfloat16, device=dev)
+    moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table)
+    gemms = {"gemm1": (lambda cfg, out: moe_gemm.gemm1_swiglu(x, w13, out, seg, top_k=K, config=cfg), I),
+             "gemm2": (lambda cfg, out: moe_gemm.gemm2(act, w2, out, seg, config=cfg), H)}
+    print(f"\n{shape.name} T={T}: table {table}, {reach} rows", flush=True)
+    rows = []
+    for name in a.gemms.split(","):
+        fn, width = gemms[name]
+        out = torch.empty(reach, width, dtype=torch.bfloat16, device=dev)
+        want = fn(table, out).clone()
+        base = _time(lambda fn=fn, out=out: fn(table, out))
+        print(f"| {name} | config | TMA | µs | / table |\n|---|---|---|---|---|\n"
+              f"| {name} | {table} | rule | {base:.1f} | 1.000 |", flush=True)
+        start, seen = time.time(), set()
+        for cfg in [table] + [GemmConfig(table.block_m, *c) for c in CANDIDATES]:
+            cfg = fit_to_shared_memory(cfg, 2, 0, smem)
+            for everywhere in (False, True):
+                if time.time() - start > a.budget_s or (cfg, everywhere) in seen:
+                    continue
+                seen.add((cfg, everywhere))
+                moe_gemm.TMA_MIN_HI, moe_gemm.TMA_MIN_BLOCK_M = (0, 64) if everywhere else (4 << 20, 128)
+                try:
+                    out.fill_(float("nan"))
+                    err = rel_err(fn(cfg, out)[live], want[live])
+                    if not err < 1e-2:
+                        print(f"| {name} | {cfg} | {everywhere} | WRONG {err:.1e} | |", flush=True)
+                        continue
+                    us = _time(lambda fn=fn, cfg=cfg, out=out: fn(cfg, out))
+                except Exception as e:  # a config that does not compile: recorded, not fatal
+                    print(f"| {name} | {cfg} | {everywhere} | {type(e).__name__}: {str(e)[:120]} | |", flush=True)
+                    continue
+                finally:
+                    moe_gemm.TMA_MIN_HI, moe_gemm.TMA_MIN_BLOCK_M = 4 << 20, 128
+                rows.append(dict(shape=shape.name, T=T, gemm=name, config=dataclasses.astuple(cfg),
+                                 tma_everywhere=everywhere, us=us, table_us=base, rel_err=err))
+                print(f"| {name} | {cfg} | {'all' if everywhere else 'rule'} | {us:.1f} | {us / base:.3f} |",
+                      flush=True)
+        best = min((r for r in rows if r["gemm"] == name), key=lambda r: r["us"], default=None)
+        if best:
+            print(f"best {name} {shape.name} T={T}: {best['config']} tma_all={best['tma_everywhere']} "
+                  f"{best['us']:.1f} µs = {best['us'] / base:.3f}x the table's", flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b;deepseek-v3;mixtral")
+    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--gemms", default="gemm1,gemm2")
+    p.add_argument("--budget-s", type=float, default=40.0, help="wall-clock budget per (shape, T, GEMM)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    smem = device_limits(dev).shared_memory if dev.type == "cuda" else 232448
+    rows = []
+    for shape in (get_shape(n) for n in _split_shapes(a.shape)):
+        w13 = (torch.randn(shape.E, 2 * shape.I, shape.H, device=dev) / shape.H**0.5).bfloat16()
+        w2 = (torch.randn(shape.E, shape.H, shape.I, device=dev) / shape.I**0.5).bfloat16()
+        for T in (int(t) for t in a.tokens.split(",")):
+            rows += sweep_point(shape, T, w13, w2, a, smem)
+            write_rows(a.json, rows)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
