@@ -6,11 +6,11 @@ the one config the table gives both?
 
 For each shape and T: the routing of ``K`` distinct uniform experts per token (packed words, bf16 random weights at
 the real size), the segments at the table's ``BLOCK_M`` (``choose_config``), then GEMM1 (``gemm1_swiglu``) and
-GEMM2 (``gemm2``) launched alone, each with the table's config and with every candidate of ``CANDIDATES``
-(the same BLOCK_M: the segments' tile), with the TMA loads where the rule takes them and, as a second variant, on
-every tile of 64 rows or more (``TMA_MIN_HI = 0``, ``TMA_MIN_BLOCK_M = 64``). Each candidate's output is compared with the table config's (relative error
-< 1e-2) on every reached row before it is timed (``triton.testing.do_bench`` median, L2 flushed). Prints a table
-per point (µs, time / the table config's); ``--json`` writes the rows.
+GEMM2 (``gemm2``) launched alone, each with the table's config and with every candidate of ``CANDIDATES`` (the
+same BLOCK_M: the segments' tile), with the TMA loads where the rule takes them and, as a second variant, on every
+tile of 64 rows or more (``TMA_MIN_HI = 0``, ``TMA_MIN_BLOCK_M = 64``). Each candidate's output is compared with
+the table config's (relative error < 1e-2) on every live row before it is timed (``triton.testing.do_bench``
+median, L2 flushed). Prints a table per point (µs, time / the table config's); ``--json`` writes the rows.
 """
 
 from __future__ import annotations
