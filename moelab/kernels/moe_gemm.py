@@ -114,7 +114,8 @@ TMA: bool = os.environ.get("MOELAB_TMA", "1") == "1"
 TMA_MIN_BLOCK_M = 128
 TMA_MIN_HI = 4 << 20
 #: Triton's warp specialisation of the K loop (``tl.range(..., warp_specialize=True)``) on the TMA launches of GEMM1
-#: and GEMM2; off until measured (scripts/tma_ab.py's "ws" modes).
+#: and GEMM2. Off: on the H200 (scripts/tma_ab.py --ws, a1357e4) it moved Mixtral, DeepSeek-V3 and GPT-OSS-20B at
+#: T = 4096-16384 by -1.1 % to +0.8 %, within the run-to-run spread (BENCHMARKS.md, "TMA loads").
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
 
 
