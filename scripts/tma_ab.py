@@ -2,14 +2,16 @@
 
     python scripts/tma_ab.py                                      # six shapes, T = 128, 1024, 4096, 16384
     python scripts/tma_ab.py --shape mixtral --tokens 4096 --json out.json
+    python scripts/tma_ab.py --modes rule-a201208,rule             # HEAD's rule against a201208's
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed with the
 pointer loads (``TMA`` off), with TMA where its rule takes it (``TMA_MIN_BLOCK_M``, ``TMA_MIN_HI``: "rule") and
-with TMA on every tile of 16 rows or more of any expert ("everywhere"), in the order A B C C B A (two medians
+with TMA on every tile of 16 rows or more of any expert ("everywhere"; ``--modes`` picks others of ``MODES``, the
+first the baseline), in the order A B C C B A (two medians
 each, averaged: drift cancels), eagerly and, up to ``--graph-max-t``, replayed from a CUDA graph
-(``moelab.roofline.median_us``: medians of ``triton.testing.do_bench``, L2 flushed). Each TMA output is checked
-against the pointer loads' (relative error < 1e-2; "bitwise" says whether they are equal)
+(``moelab.roofline.median_us``: medians of ``triton.testing.do_bench``, L2 flushed). Each output is checked
+against the baseline's (relative error < 1e-2; "bitwise" says whether they are equal)
 before it is timed. Prints a table; ``--json`` writes the rows.
 """
 
@@ -25,17 +27,22 @@ from moelab.kernels import moe_gemm
 from moelab.lab import rel_err
 from moelab.roofline import get_shape, graphed, median_us
 
-#: (TMA, TMA_MIN_BLOCK_M, TMA_MIN_HI) of each mode. 204f0a7's run named its modes by the block rows alone, on every
-#: expert: "tma64" (64, 0) and "tma16" (16, 0).
-MODES = {"pointers": (False, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI),
-         "rule": (True, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI), "everywhere": (True, 16, 0)}
+#: The ``moe_gemm`` settings of each mode. 204f0a7's run named its modes by the block rows alone, on every expert:
+#: "tma64" (TMA_MIN_BLOCK_M 64, TMA_MIN_HI 0) and "tma16" (16, 0). "rule-a201208": the rule before GEMM2 took TMA on
+#: every expert size (TMA_MIN_HI_GEMM2) and at most GEMM2_MAX_STAGES stages on 128-row tiles.
+RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_gemm.TMA_MIN_HI,
+            TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES)
+MODES = {"pointers": RULE | dict(TMA=False, GEMM2_MAX_STAGES=1 << 10), "rule": RULE,
+         "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
+         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0)}
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's.
 WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True}}
 
 
 def _mode(name):
     moe_gemm.WARP_SPECIALIZE.update(WS_MODES.get(name, {"gemm1": False, "gemm2": False}))
-    moe_gemm.TMA, moe_gemm.TMA_MIN_BLOCK_M, moe_gemm.TMA_MIN_HI = MODES["rule" if name in WS_MODES else name]
+    for key, value in MODES["rule" if name in WS_MODES else name].items():
+        setattr(moe_gemm, key, value)
 
 
 def main(argv=None):
@@ -46,18 +53,21 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--ws", default=None, help=f"modes pointers, rule and these of {list(WS_MODES)} (comma list) "
                    "instead (one per process is safest: a compiler abort ends the process)")
+    p.add_argument("--modes", default="pointers,rule,everywhere", help=f"comma list of {list(MODES)}; the first "
+                   "is the baseline")
     a = p.parse_args(argv)
-    modes = ["pointers", "rule", *a.ws.split(",")] if a.ws else list(MODES)
+    modes = ["pointers", "rule", *a.ws.split(",")] if a.ws else a.modes.split(",")
+    base_mode = modes[0]
     device = torch.device("cuda")
     rows, modes_failed = [], set()
-    print("| shape | T | mode | eager µs | graph µs | eager / pointers | graph / pointers | rel err | bitwise |")
+    print(f"| shape | T | mode | eager µs | graph µs | eager / {base_mode} | graph / {base_mode} | rel err | bitwise |")
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in (get_shape(name) for name in _split_shapes(a.shape)):
         weights = _layer(shape, torch.bfloat16, device)
         for T in (int(t) for t in a.tokens.split(",")):
             x, packed = _inputs(shape, T, torch.bfloat16, device)
             call = _call(packed, x, weights, shape)
-            _mode("pointers")
+            _mode(base_mode)
             want = call().clone()
             times = {m: [] for m in modes}
             checks = {}
@@ -78,12 +88,12 @@ def main(argv=None):
                 eager = median_us(call, device)
                 graph = median_us(graphed(call, device), device) if T <= a.graph_max_t else None
                 times[name].append((eager, graph))
-            _mode("pointers")
+            _mode(base_mode)
             for name in (m for m in modes if m not in modes_failed):
                 eager = sum(t[0] for t in times[name]) / 2
                 graph = None if times[name][0][1] is None else sum(t[1] for t in times[name]) / 2
-                base_e = sum(t[0] for t in times["pointers"]) / 2
-                base_g = None if graph is None else sum(t[1] for t in times["pointers"]) / 2
+                base_e = sum(t[0] for t in times[base_mode]) / 2
+                base_g = None if graph is None else sum(t[1] for t in times[base_mode]) / 2
                 row = dict(shape=shape.name, T=T, mode=name, eager_us=eager, graph_us=graph, rel_err=checks[name][0],
                            bitwise=checks[name][1], medians=times[name])
                 rows.append(row)

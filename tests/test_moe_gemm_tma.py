@@ -24,7 +24,7 @@ def test_tma_loads_match_the_reference_and_the_pointer_loads(H, I, dtype, device
     _tma_everywhere(monkeypatch)
     launched = []
     takes = moe_gemm.takes_tma
-    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
     out_tma = routed_on_tiles(config, x, ids, w, W, E, K)[0]
     assert launched == [True, True], "both GEMMs should have taken the TMA loads"
     monkeypatch.setattr(moe_gemm, "TMA", False)
@@ -46,6 +46,7 @@ def _tma_everywhere(monkeypatch):
     monkeypatch.setattr(moe_gemm, "TMA", True)
     monkeypatch.setattr(moe_gemm, "TMA_MIN_BLOCK_M", 64)
     monkeypatch.setattr(moe_gemm, "TMA_MIN_HI", 0)
+    monkeypatch.setattr(moe_gemm, "TMA_MIN_HI_GEMM2", 0)
 
 
 def test_tma_rule(device, monkeypatch):
@@ -61,8 +62,28 @@ def test_tma_rule(device, monkeypatch):
     assert moe_gemm.takes_tma(wide, big, w, torch.zeros(4, 72, device=device)[:, :65]), "a strided, aligned view"
     assert not moe_gemm.takes_tma(wide, big, w.transpose(1, 2)), "a transposed weight is not K-major"
     assert not moe_gemm.takes_tma(wide, big, w, torch.zeros(65, device=device)[1:].view(1, 64)), "misaligned base"
+    gemm2 = moe_gemm.TMA_MIN_HI_GEMM2
+    assert moe_gemm.takes_tma(wide, small, w, min_hi=gemm2), "GEMM2 (whole-tile operands) takes TMA on small experts"
+    assert not moe_gemm.takes_tma(GemmConfig(64, 128, 64, 4, 4), small, w, min_hi=gemm2), "but not on 64-row tiles"
     monkeypatch.setattr(moe_gemm, "TMA", False)
     assert not moe_gemm.takes_tma(wide, big, w), "MOELAB_TMA=0 keeps the pointer loads"
+    assert not moe_gemm.takes_tma(wide, small, w, min_hi=gemm2), "in both GEMMs"
+
+
+def test_small_experts_on_128_row_tiles_take_tma_in_gemm2_only(device, monkeypatch):
+    """The default thresholds on experts far below TMA_MIN_HI: GEMM1 (gathered input rows) keeps the pointer
+    loads, GEMM2 reads its tiles through TMA, and the output is right."""
+    _needs_tma(device)
+    monkeypatch.setattr(moe_gemm, "TMA", True)
+    T, K, E, H, I, dtype = 40, 4, 4, 64, 48, torch.float32
+    x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=3, device=device)
+    launched = []
+    takes = moe_gemm.takes_tma
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
+    out = routed_on_tiles(GemmConfig(128, 32, 32, 4, 4), x, ids, w, W, E, K)[0]
+    assert launched == [False, True], "GEMM1 by pointer, GEMM2 through TMA"
+    ref = reference.routed_moe(ids, w, x, w13, w2)
+    assert_close_to_reference(out, ref["output"], dtype, "small experts, 128-row tiles")
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -81,7 +102,7 @@ def test_tma_loads_of_an_up_only_w13(bias, device, monkeypatch):
     _tma_everywhere(monkeypatch)
     launched = []
     takes = moe_gemm.takes_tma
-    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a: launched.append(takes(*a)) or launched[-1])
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
     out = routed_on_tiles(GemmConfig(64, 32, 32, 4, 1), x, ids, w, W, E, K)[0]
     assert launched == [True, True]
     ref = reference.routed_moe(ids, w, x, w13, w2, activation="relu2", gated=False, w13_bias=b13)

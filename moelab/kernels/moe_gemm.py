@@ -113,6 +113,16 @@ _EPILOGUE_RESERVE_LORA = 11 * 1024
 TMA: bool = os.environ.get("MOELAB_TMA", "1") == "1"
 TMA_MIN_BLOCK_M = 128
 TMA_MIN_HI = 4 << 20
+#: GEMM2 reads both operands as whole tiles (the permuted activation rows and w2), so it takes TMA on 128-row tiles
+#: of every expert size: on the H200 (scripts/gemm_sweep.py at c738dd8) its TMA loads timed 0.88-0.93x of the
+#: pointer loads on the small experts of OLMoE and E64 K6 at T = 4096 (Qwen3-30B-A3B: 1.02x) and, with
+#: GEMM2_MAX_STAGES, 0.86-0.89x at T = 16384. GEMM1 gathers its input rows by pointer and keeps TMA_MIN_HI.
+TMA_MIN_HI_GEMM2 = 0
+#: GEMM2's pipeline depth on tiles of 128 rows or more. It holds one weight tile a stage (GEMM1 two), so at 3 stages
+#: of 128x128x64 bf16 (96 KB) two of its blocks share an SM's 227 KB and registers; the table's 4 stages (above 512
+#: rows an expert) keep one. H200 (scripts/gemm_sweep.py at c738dd8), T = 16384: 3 stages against 4 timed
+#: 0.94-0.97x on Qwen3-30B-A3B, OLMoE, E64 K6 and GPT-OSS-20B with the pointer loads, 0.86-0.94x with TMA.
+GEMM2_MAX_STAGES = 3
 #: Triton's warp specialisation of the K loop (``tl.range(..., warp_specialize=True)``) on the TMA launches of GEMM1
 #: and GEMM2. Off: on the H200 (scripts/tma_ab.py --ws, a1357e4) it moved Mixtral, DeepSeek-V3 and GPT-OSS-20B at
 #: T = 4096-16384 by -1.1 % to +0.8 %, within the run-to-run spread (BENCHMARKS.md, "TMA loads").
@@ -523,10 +533,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def takes_tma(config: GemmConfig, hidden_x_inter: int, weight: torch.Tensor, *operands: torch.Tensor) -> bool:
+def takes_tma(config: GemmConfig, hidden_x_inter: int, weight: torch.Tensor, *operands: torch.Tensor,
+              min_hi: int | None = None) -> bool:
     """Whether a GEMM of ``config`` over experts of ``hidden_x_inter`` = H * I reads ``weight`` [E_local, N, K]
-    (contiguous; GEMM1's w13 or GEMM2's w2) and ``operands`` through TMA descriptors (see ``TMA``)."""
-    if (not TMA or config.block_m < TMA_MIN_BLOCK_M or hidden_x_inter < TMA_MIN_HI
+    (contiguous; GEMM1's w13 or GEMM2's w2) and ``operands`` through TMA descriptors (see ``TMA``). ``min_hi``: the
+    smallest H * I that takes them (default ``TMA_MIN_HI``, GEMM1's; GEMM2 passes ``TMA_MIN_HI_GEMM2``)."""
+    if (not TMA or config.block_m < TMA_MIN_BLOCK_M or hidden_x_inter < (TMA_MIN_HI if min_hi is None else min_hi)
             or not weight.is_contiguous()):
         return False
     if not all(map(_tma_ok, (weight, *operands))):
@@ -593,13 +605,14 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
         "top_k": 0}
     if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
         lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
-    if takes_tma(config, H * I, w2, act):
+    if takes_tma(config, H * I, w2, act, min_hi=TMA_MIN_HI_GEMM2):
         lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
+    stages = min(config.num_stages, GEMM2_MAX_STAGES) if config.block_m >= 128 else config.num_stages
     _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
         act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
         num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,
         stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
         **lora_args, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages, **(pdl or {}))
     return out
