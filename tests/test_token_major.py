@@ -160,6 +160,9 @@ def test_the_rule():
     gpt_oss = dict(num_local_experts=32, expert_bytes=3 * 2880 * 2880 * 2)
     assert takes(1, 4, True, False, **gpt_oss) and not takes(2, 4, True, False, **gpt_oss)
     assert not takes(1, 4, True, False, True, **gpt_oss), "50 MB experts: the tiled pipeline in graphs"
+    e128 = dict(num_local_experts=128, expert_bytes=3 * 4096 * 1536 * 2)  # 8 slots of 37.7 MB: past the byte limit
+    assert takes(1, 8, True, False, **e128), "one token eagerly: no byte limit"
+    assert not takes(2, 8, True, False, **e128) and not takes(1, 8, True, False, True, **e128)
 
 
 def test_the_rule_sees_the_call(device, monkeypatch):

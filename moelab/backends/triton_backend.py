@@ -131,7 +131,9 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #: - eagerly, at most ``TOKEN_MAJOR_MAX_SLOTS`` slots (T*K) that rarely share an expert
 #:   (``TOKEN_MAJOR_EXPERTS_PER_SLOT`` local experts or more per slot: each slot streams its expert's weights
 #:   itself) and whose weights are few enough (``TOKEN_MAJOR_MAX_BYTES``) that the call is host-bound: two launches
-#:   cost the host less than four;
+#:   cost the host less than four. One token has no byte limit: its K slots read K distinct experts on either path,
+#:   and in graphs the two paths' GPU times tie or the token-major one wins at 200-704 MB (GPT-OSS-20B, DeepSeek-V3,
+#:   Mixtral below), so eagerly the lighter launch can only help;
 #: - eagerly and in CUDA graphs, one token whose experts are large (``TOKEN_MAJOR_BIG_EXPERT_BYTES`` each): the
 #:   token-major GEMMs then beat the tiled ones on the GPU itself;
 #: - in CUDA graphs otherwise up to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` slots (0): there no host time is left to save, and
@@ -163,7 +165,7 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
     if capturing:
         return slots <= TOKEN_MAJOR_MAX_SLOTS_GRAPH
     few_shared = num_local_experts is None or TOKEN_MAJOR_EXPERTS_PER_SLOT * slots <= num_local_experts
-    return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES
+    return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and (T == 1 or slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES)
 
 
 def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
