@@ -13,9 +13,7 @@ OUT=${OUT:-build/device_e128_host}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
 if [ -n "${TESTS:-}" ]; then
   el "tests"
-  COLUMNS=400 timeout -s INT -k 10 90 python3 -m pytest -q -p no:cacheprovider -n 8 --tb=short tests/test_token_major.py \
-    > "$OUT/tests.log" 2>&1
-  echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)" "$OUT/tests.log" | tail -6
+  gpu_tests 90 tests/test_token_major.py
 fi
 el "token-major a/b"
 timeout -s INT 55 python3 scripts/token_major_ab.py --shape "128,8,4096,1536" --tokens 1,2 --json "$OUT/tm_ab.json" \

@@ -11,10 +11,7 @@ OUT=${OUT:-build/device_tma}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
 
 el "tests"
-COLUMNS=400 timeout -s INT -k 10 "${TEST_S:-170}" python3 -m pytest -q -p no:cacheprovider -n 8 --tb=short \
-  ${TESTS:-tests/test_moe_gemm_tma.py tests/test_moe_gemm_order.py tests/test_experts.py tests/test_routed_moe.py tests/test_kernel_activations.py} \
-  > "$OUT/tests.log" 2>&1
-echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)" "$OUT/tests.log" | tail -12
+gpu_tests "${TEST_S:-170}" ${TESTS:-tests/test_moe_gemm_tma.py tests/test_moe_gemm_order.py tests/test_experts.py tests/test_routed_moe.py tests/test_kernel_activations.py}
 
 el "tma a/b"
 timeout -s INT "${AB_S:-330}" python3 scripts/tma_ab.py --shape "${SHAPES:-qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408}" \
