@@ -4,14 +4,14 @@
 #      output checked against the tiled pipeline's)                                                      <= 55 s
 #   2. the bench's eager and graph rows there, T = 1, 32 (the scorecard's table 4)                        <= 40 s
 #   3. scripts/host_cost.py on Qwen3-30B-A3B, T = 1, 128: the base call and LoRAExperts (one rank-16 adapter)  <= 60 s
-#   TESTS=1 first runs tests/test_token_major.py on the GPU (<= 90 s).
+#   RUN_TESTS=1 first runs tests/test_token_major.py on the GPU (<= 90 s).
 # From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_e128_host.sh", timeout_s=170).
 # Files: env.txt, [tests.log], tm_ab.{md,json}, bench.{md,json,err}, host.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
 OUT=${OUT:-build/device_e128_host}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # el, $OUT/env.txt
-if [ -n "${TESTS:-}" ]; then
+if [ -n "${RUN_TESTS:-}" ]; then
   el "tests"
   gpu_tests 90 tests/test_token_major.py
 fi

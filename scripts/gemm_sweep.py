@@ -7,8 +7,9 @@ the one config the table gives both?
 For each shape and T: the routing of ``K`` distinct uniform experts per token (packed words, bf16 random weights at
 the real size), the segments at the table's ``BLOCK_M`` (``choose_config``), then GEMM1 (``gemm1_swiglu``) and
 GEMM2 (``gemm2``) launched alone, each with the table's config and with every candidate of ``CANDIDATES`` (the
-same BLOCK_M: the segments' tile), with the TMA loads where the rule takes them and, as a second variant, on every
-tile of 64 rows or more (``TMA_MIN_HI = 0``, ``TMA_MIN_BLOCK_M = 64``). Each candidate's output is compared with
+same BLOCK_M: the segments' tile) at the stages it names (``GEMM2_MAX_STAGES`` lifted), with the TMA loads where
+a201208's rule takes them (tiles of 128 rows or more over experts of ``TMA_MIN_HI`` elements, both GEMMs: "rule")
+and, as a second variant, on every tile of 64 rows or more ("all"). Each candidate's output is compared with
 the table config's (relative error < 1e-2) on every live row before it is timed (``triton.testing.do_bench``
 median, L2 flushed). Prints a table per point (µs, time / the table config's); ``--json`` writes the rows.
 """
@@ -45,8 +46,28 @@ def _time(fn):
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
 
 
+#: The ``moe_gemm`` settings of the two variants; GEMM2_MAX_STAGES lifted in both (each candidate runs its stages).
+VARIANTS = {False: dict(TMA_MIN_HI=4 << 20, TMA_MIN_HI_GEMM2=4 << 20, TMA_MIN_BLOCK_M=128, GEMM2_MAX_STAGES=1 << 10),
+            True: dict(TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0, TMA_MIN_BLOCK_M=64, GEMM2_MAX_STAGES=1 << 10)}
+
+
+def _variant(everywhere):
+    for key, value in VARIANTS[everywhere].items():
+        setattr(moe_gemm, key, value)
+
+
 def sweep_point(shape, T, w13, w2, a, smem):
     """The rows of one (shape, T): each GEMM of ``a.gemms`` over the table config and the candidates."""
+    saved = {key: getattr(moe_gemm, key) for key in VARIANTS[False]}
+    try:
+        return _sweep_point(shape, T, w13, w2, a, smem)
+    finally:
+        for key, value in saved.items():
+            setattr(moe_gemm, key, value)
+
+
+def _sweep_point(shape, T, w13, w2, a, smem):
+    _variant(False)
     E, K, H, I = shape.E, shape.K, shape.H, shape.I
     dev = w13.device
     x = torch.randn(T, H, device=dev).bfloat16()
@@ -76,7 +97,7 @@ def sweep_point(shape, T, w13, w2, a, smem):
                 if time.time() - start > a.budget_s or (cfg, everywhere) in seen:
                     continue
                 seen.add((cfg, everywhere))
-                moe_gemm.TMA_MIN_HI, moe_gemm.TMA_MIN_BLOCK_M = (0, 64) if everywhere else (4 << 20, 128)
+                _variant(everywhere)
                 try:
                     out.fill_(float("nan"))
                     err = rel_err(fn(cfg, out)[live], want[live])
@@ -88,7 +109,7 @@ def sweep_point(shape, T, w13, w2, a, smem):
                     print(f"| {name} | {cfg} | {everywhere} | {type(e).__name__}: {str(e)[:120]} | |", flush=True)
                     continue
                 finally:
-                    moe_gemm.TMA_MIN_HI, moe_gemm.TMA_MIN_BLOCK_M = 4 << 20, 128
+                    _variant(False)
                 rows.append(dict(shape=shape.name, T=T, gemm=name, config=dataclasses.astuple(cfg),
                                  tma_everywhere=everywhere, us=us, table_us=base, rel_err=err))
                 print(f"| {name} | {cfg} | {'all' if everywhere else 'rule'} | {us:.1f} | {us / base:.3f} |",

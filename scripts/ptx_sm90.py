@@ -58,7 +58,7 @@ OPTIONS = {
     "gemm2_bias": (GEMM2, dict(EVEN_K=True, **PREFILL, bias_ptr="*bf16")),
 }
 
-#: The TMA loads (``W_DESC``) on the wide tiles of large experts (``--tma``).
+#: The TMA loads (``W_DESC``) on 128-row tiles (``--tma``).
 TMA_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, W_DESC=True)
 TMA = {
     "gemm1_tma": (GEMM1, dict(HAS_DELTA=False, EVEN_K=True, **TMA_TILE)),

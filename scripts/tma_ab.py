@@ -6,13 +6,13 @@
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed with the
-pointer loads (``TMA`` off), with TMA where its rule takes it (``TMA_MIN_BLOCK_M``, ``TMA_MIN_HI``: "rule") and
-with TMA on every tile of 16 rows or more of any expert ("everywhere"; ``--modes`` picks others of ``MODES``, the
-first the baseline), in the order A B C C B A (two medians
-each, averaged: drift cancels), eagerly and, up to ``--graph-max-t``, replayed from a CUDA graph
+pointer loads (``TMA`` off), with TMA where its rule takes it (``TMA_MIN_BLOCK_M``, ``TMA_MIN_HI``,
+``TMA_MIN_HI_GEMM2``: "rule") and with TMA on every tile of 16 rows or more of any expert ("everywhere";
+``--modes`` picks others of ``MODES``, the first the baseline), in the order A B C C B A (two medians each,
+averaged: drift cancels), eagerly and, up to ``--graph-max-t``, replayed from a CUDA graph
 (``moelab.roofline.median_us``: medians of ``triton.testing.do_bench``, L2 flushed). Each output is checked
-against the baseline's (relative error < 1e-2; "bitwise" says whether they are equal)
-before it is timed. Prints a table; ``--json`` writes the rows.
+against the baseline's (relative error < 1e-2; "bitwise" says whether they are equal) before it is timed. Prints a
+table; ``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from moelab.roofline import get_shape, graphed, median_us
 #: every expert size (TMA_MIN_HI_GEMM2) and at most GEMM2_MAX_STAGES stages on 128-row tiles.
 RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_gemm.TMA_MIN_HI,
             TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES)
-MODES = {"pointers": RULE | dict(TMA=False, GEMM2_MAX_STAGES=1 << 10), "rule": RULE,
+MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
          "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0)}
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's.
@@ -56,7 +56,12 @@ def main(argv=None):
     p.add_argument("--modes", default="pointers,rule,everywhere", help=f"comma list of {list(MODES)}; the first "
                    "is the baseline")
     a = p.parse_args(argv)
+    if a.ws and a.modes != p.get_default("modes"):
+        p.error("--ws sets the modes itself (pointers, rule and its own): leave --modes out")
     modes = ["pointers", "rule", *a.ws.split(",")] if a.ws else a.modes.split(",")
+    unknown = [m for m in modes if m not in MODES and m not in WS_MODES]
+    if unknown or len(set(modes)) < len(modes):
+        p.error(f"modes {modes}: each once, from {list(MODES)} (--ws: {list(WS_MODES)})")
     base_mode = modes[0]
     device = torch.device("cuda")
     rows, modes_failed = [], set()

@@ -1,8 +1,8 @@
 """The GEMMs' TMA loads (``moe_gemm.W_DESC``: weight tiles, and GEMM2's activation tiles, through tensor
-descriptors) on wide tiles of large experts (the thresholds lowered here to reach the interpreter's small
-shapes): right against the float64 reference where the tiles read past the end of
-K (zero-filled), past an expert's columns into the next expert's rows (never stored) and past the last expert, and
-the same output as the pointer loads. On a CPU the kernels run in Triton's interpreter."""
+descriptors) on wide tiles (GEMM1's expert threshold lowered here to reach the interpreter's small shapes): right
+against the float64 reference where the tiles read past the end of K (zero-filled), past an expert's columns into
+the next expert's rows (never stored) and past the last expert, and the same output as the pointer loads. On a CPU
+the kernels run in Triton's interpreter."""
 
 import pytest
 import torch
@@ -55,7 +55,7 @@ def test_tma_rule(device, monkeypatch):
     wide, w = GemmConfig(128, 128, 64, 8, 3), torch.zeros(2, 32, 64, device=device)
     big, small = 4096 * 14336, 2048 * 768  # Mixtral's experts, Qwen3-30B-A3B's
     assert moe_gemm.takes_tma(wide, big, w)
-    assert not moe_gemm.takes_tma(wide, small, w), "small experts keep the pointer loads"
+    assert not moe_gemm.takes_tma(wide, small, w), "GEMM1 keeps the pointer loads on small experts"
     assert not moe_gemm.takes_tma(GemmConfig(64, 128, 64, 4, 4), big, w), "64-row tiles keep the pointer loads"
     assert not moe_gemm.takes_tma(wide, big, torch.zeros(2, 32, 65, device=device)), "rows of 260 B"
     assert not moe_gemm.takes_tma(wide, big, w, torch.zeros(4, 66, device=device)[:, :65]), "operand rows of 264 B"
@@ -70,12 +70,13 @@ def test_tma_rule(device, monkeypatch):
     assert not moe_gemm.takes_tma(wide, small, w, min_hi=gemm2), "in both GEMMs"
 
 
-def test_small_experts_on_128_row_tiles_take_tma_in_gemm2_only(device, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_experts_on_128_row_tiles_take_tma_in_gemm2_only(dtype, device, monkeypatch):
     """The default thresholds on experts far below TMA_MIN_HI: GEMM1 (gathered input rows) keeps the pointer
     loads, GEMM2 reads its tiles through TMA, and the output is right."""
     _needs_tma(device)
     monkeypatch.setattr(moe_gemm, "TMA", True)
-    T, K, E, H, I, dtype = 40, 4, 4, 64, 48, torch.float32
+    T, K, E, H, I = 40, 4, 4, 64, 48
     x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=3, device=device)
     launched = []
     takes = moe_gemm.takes_tma
@@ -107,3 +108,34 @@ def test_tma_loads_of_an_up_only_w13(bias, device, monkeypatch):
     assert launched == [True, True]
     ref = reference.routed_moe(ids, w, x, w13, w2, activation="relu2", gated=False, w13_bias=b13)
     assert_close_to_reference(out, ref["output"], dtype, f"relu2, bias={bias}")
+
+
+class _StagesSpy:
+    """Stands in for a GEMM kernel: records each launch's ``num_stages``, then launches the kernel."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.seen.append(kwargs["num_stages"])
+            return launch(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("block_m, gemm2_stages", [(128, moe_gemm.GEMM2_MAX_STAGES), (64, 4)],
+                         ids=["128-row", "64-row"])
+def test_gemm2_stages_are_capped_on_128_row_tiles(block_m, gemm2_stages, device, monkeypatch):
+    """GEMM2 runs at most GEMM2_MAX_STAGES stages on tiles of 128 rows (GEMM1 keeps the config's 4), and the
+    config's stages on smaller tiles; the output is right either way."""
+    T, K, E, H, I, dtype = 40, 4, 4, 64, 48, torch.float32
+    x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=block_m, device=device)
+    stages1, stages2 = [], []
+    monkeypatch.setattr(moe_gemm, "_gemm1_swiglu_kernel", _StagesSpy(moe_gemm._gemm1_swiglu_kernel, stages1))
+    monkeypatch.setattr(moe_gemm, "_gemm2_kernel", _StagesSpy(moe_gemm._gemm2_kernel, stages2))
+    out = routed_on_tiles(GemmConfig(block_m, 32, 32, 4, 4), x, ids, w, W, E, K)[0]
+    assert (stages1, stages2) == ([4], [gemm2_stages])
+    ref = reference.routed_moe(ids, w, x, w13, w2)
+    assert_close_to_reference(out, ref["output"], dtype, f"{block_m}-row tiles")

@@ -133,7 +133,9 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #:   itself) and whose weights are few enough (``TOKEN_MAJOR_MAX_BYTES``) that the call is host-bound: two launches
 #:   cost the host less than four. One token has no byte limit: its K slots read K distinct experts on either path,
 #:   and in graphs the two paths' GPU times tie or the token-major one wins at 200-704 MB (GPT-OSS-20B, DeepSeek-V3,
-#:   Mixtral below), so eagerly the lighter launch can only help;
+#:   Mixtral below; it loses 9-17 % at 100-104 MB of small experts: OLMoE, E64 K6), while the tiled pipeline's four
+#:   launches cost an eager call 2-3x its GPU time. Not measured between 200 MB and the 256 MB limit's first case
+#:   past it (E128 K8 H4096 I1536: 302 MB, 3.16x eagerly on the tiled pipeline);
 #: - eagerly and in CUDA graphs, one token whose experts are large (``TOKEN_MAJOR_BIG_EXPERT_BYTES`` each): the
 #:   token-major GEMMs then beat the tiled ones on the GPU itself;
 #: - in CUDA graphs otherwise up to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` slots (0): there no host time is left to save, and

@@ -12,8 +12,9 @@ router weight on the input (Llama-4), rounded to the input dtype; GEMM2 adds its
 expert shared by the whole tile of rows, ``d`` the optional ``gemm1_lora_delta`` row of the slot
 (FlashInfer's **[up, gate]** order) added to the fp32 accumulators before SwiGLU. The weights stay in HF
 order (``w13 [E_local, 2I, H]`` rows [gate; up], ``w2 [E_local, H, I]``), read K-major like vLLM's
-``fused_moe_kernel``: by pointer loads, or on Hopper's wide tiles of large experts through TMA descriptors
-(``TMA``: weight tiles, and GEMM2's activation tiles; GEMM1 gathers its input rows by pointer either way).
+``fused_moe_kernel``: by pointer loads, or on Hopper's 128-row tiles through TMA descriptors (``TMA``: GEMM2's
+weight and activation tiles on every expert, GEMM1's weight tiles on large experts; GEMM1 gathers its input rows
+by pointer either way).
 Padding rows (slot -1) and tiles past the live rows are written with ``DEAD_FILL``
 (0, or NaN in debug mode); dead tiles touch no weight.
 
@@ -103,25 +104,28 @@ GROUP_M_MIN_EXPERT_BYTES = 128 << 20
 #: beside them (measured on the H200, 227 KB a block: 200 KB of stages ran, and 216 KB with the operands).
 _EPILOGUE_RESERVE = 27 * 1024
 _EPILOGUE_RESERVE_LORA = 11 * 1024
-#: The GEMMs read their weight tiles (and GEMM2 its activation tiles) through Hopper's TMA (tensor descriptors
-#: built on the device, ``W_DESC``) on tiles of TMA_MIN_BLOCK_M rows or more, for experts of TMA_MIN_HI = H * I
-#: elements or more, on SM 9.0+ GPUs and in the interpreter. ``MOELAB_TMA=0`` (or this flag) keeps the pointer loads
-#: everywhere. H200, 2026-12-02 (scripts/tma_ab.py at 204f0a7, BENCHMARKS.md "TMA loads"): 0.86x on Mixtral
-#: (H * I = 58.7 Mi) at T = 16384 and 0.96x at 4096, 0.95-0.97x on DeepSeek-V3's layer (14 Mi) and 0.94-0.96x on
-#: GPT-OSS-20B (7.9 Mi) at T = 4096-16384; 0.98-1.03x on the experts of 1.5-2.8 Mi (Qwen3-30B-A3B, OLMoE, E64 K6),
-#: and 1.00-1.03x under graphs at 32-128 rows an expert (64-row tiles) on every shape.
+#: The GEMMs read their weight tiles (and GEMM2 its activation tiles) through Hopper's TMA (tensor descriptors built on
+#: the device, ``W_DESC``) on tiles of TMA_MIN_BLOCK_M rows or more, GEMM1 for experts of TMA_MIN_HI = H * I elements or
+#: more (GEMM2: TMA_MIN_HI_GEMM2, below), on SM 9.0+ GPUs and in the interpreter. ``MOELAB_TMA=0`` (or this flag) keeps
+#: the pointer loads everywhere. H200, 2026-12-02 (scripts/tma_ab.py at 204f0a7, BENCHMARKS.md "TMA loads"; both GEMMs):
+#: 0.86x on Mixtral (H * I = 58.7 Mi) at T = 16384 and 0.96x at 4096, 0.95-0.97x on DeepSeek-V3's layer (14 Mi) and
+#: 0.94-0.96x on GPT-OSS-20B (7.9 Mi) at T = 4096-16384; 0.98-1.03x on the experts of 1.5-2.8 Mi (Qwen3-30B-A3B, OLMoE,
+#: E64 K6), and 1.00-1.03x under graphs at 32-128 rows an expert (64-row tiles) on every shape.
 TMA: bool = os.environ.get("MOELAB_TMA", "1") == "1"
 TMA_MIN_BLOCK_M = 128
 TMA_MIN_HI = 4 << 20
 #: GEMM2 reads both operands as whole tiles (the permuted activation rows and w2), so it takes TMA on 128-row tiles
-#: of every expert size: on the H200 (scripts/gemm_sweep.py at c738dd8) its TMA loads timed 0.88-0.93x of the
-#: pointer loads on the small experts of OLMoE and E64 K6 at T = 4096 (Qwen3-30B-A3B: 1.02x) and, with
-#: GEMM2_MAX_STAGES, 0.86-0.89x at T = 16384. GEMM1 gathers its input rows by pointer and keeps TMA_MIN_HI.
+#: of every expert size: on the H200 (scripts/gemm_sweep.py at c738dd8, GEMM2 alone) its TMA loads timed 0.88-0.93x
+#: of the pointer loads on the small experts of OLMoE and E64 K6 at T = 4096 (Qwen3-30B-A3B: 1.02x, within that
+#: sweep's 4 % noise) and, with GEMM2_MAX_STAGES, 0.86-0.89x at T = 16384; the whole layer 0.945-0.98x at T = 4096
+#: and 0.95-0.99x at 16384 (scripts/tma_ab.py --modes rule-a201208,rule at 20855fd). GEMM1 gathers its input rows by
+#: pointer and keeps TMA_MIN_HI.
 TMA_MIN_HI_GEMM2 = 0
-#: GEMM2's pipeline depth on tiles of 128 rows or more. It holds one weight tile a stage (GEMM1 two), so at 3 stages
-#: of 128x128x64 bf16 (96 KB) two of its blocks share an SM's 227 KB and registers; the table's 4 stages (above 512
-#: rows an expert) keep one. H200 (scripts/gemm_sweep.py at c738dd8), T = 16384: 3 stages against 4 timed
-#: 0.94-0.97x on Qwen3-30B-A3B, OLMoE, E64 K6 and GPT-OSS-20B with the pointer loads, 0.86-0.94x with TMA.
+#: GEMM2's pipeline depth on tiles of 128 rows or more. It holds one weight tile a stage (GEMM1 two), so at 3 stages of
+#: 128x128x64 bf16 (96 KB) two of its blocks fit an SM's 227 KB of shared memory (occupancy not profiled); the 4 stages
+#: (above 512 rows an expert) keep one. H200 (scripts/gemm_sweep.py at c738dd8), T = 16384: 3 stages against 4 timed
+#: 0.94-0.97x on Qwen3-30B-A3B, OLMoE, E64 K6 and GPT-OSS-20B with the pointer loads, 0.86-0.94x with TMA. The cap holds
+#: on every GPU and with the pointer loads too; only the H200 measured it.
 GEMM2_MAX_STAGES = 3
 #: Triton's warp specialisation of the K loop (``tl.range(..., warp_specialize=True)``) on the TMA launches of GEMM1
 #: and GEMM2. Off: on the H200 (scripts/tma_ab.py --ws, a1357e4) it moved Mixtral, DeepSeek-V3 and GPT-OSS-20B at
