@@ -8,7 +8,8 @@ Each candidate is checked against the torch backend before it is timed (do_bench
 rotated); each timing is printed. ``--group-m``: every candidate is also tried with these ``GemmConfig.group_m``
 (row tiles swept together down each column block), the current config's variants first. The winner of each T
 replaces the config of its rows-per-expert bucket in moelab/kernels/moe_gemm_configs.json (and a copy goes to
-$OUT), which ``choose_config`` reads.
+$OUT), which ``choose_config`` reads. A candidate's stages are GEMM1's; GEMM2 runs at most
+``moe_gemm.GEMM2_MAX_STAGES`` of them on 128-row tiles, as the backend does.
 
 ``--aggregate`` tunes the table for every shape at once, so no shape's sweep overwrites another's: each
 (shape, T) point counts toward its rows-per-expert bucket, and a bucket takes the candidate with the lowest
