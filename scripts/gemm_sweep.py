@@ -22,7 +22,8 @@ import time
 
 import torch
 import triton
-from token_major_ab import write_rows  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from tma_ab import MODES, apply_settings  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from token_major_ab import write_rows  # noqa: E402
 
 import moelab
 from moelab.bench.cli import _split_shapes
@@ -46,14 +47,14 @@ def _time(fn):
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
 
 
-#: The ``moe_gemm`` settings of the two variants; GEMM2_MAX_STAGES lifted in both (each candidate runs its stages).
-VARIANTS = {False: dict(TMA_MIN_HI=4 << 20, TMA_MIN_HI_GEMM2=4 << 20, TMA_MIN_BLOCK_M=128, GEMM2_MAX_STAGES=1 << 10),
-            True: dict(TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0, TMA_MIN_BLOCK_M=64, GEMM2_MAX_STAGES=1 << 10)}
+#: The ``moe_gemm`` settings of the two variants: a201208's rule ("rule-a201208" of scripts/tma_ab.py, which also
+#: lifts GEMM2_MAX_STAGES, so each candidate runs its stages) and TMA on every tile of 64 rows or more.
+VARIANTS = {False: MODES["rule-a201208"],
+            True: MODES["rule-a201208"] | dict(TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0, TMA_MIN_BLOCK_M=64)}
 
 
 def _variant(everywhere):
-    for key, value in VARIANTS[everywhere].items():
-        setattr(moe_gemm, key, value)
+    apply_settings(VARIANTS[everywhere])
 
 
 def sweep_point(shape, T, w13, w2, a, smem):
@@ -62,8 +63,7 @@ def sweep_point(shape, T, w13, w2, a, smem):
     try:
         return _sweep_point(shape, T, w13, w2, a, smem)
     finally:
-        for key, value in saved.items():
-            setattr(moe_gemm, key, value)
+        apply_settings(saved)
 
 
 def _sweep_point(shape, T, w13, w2, a, smem):

@@ -39,10 +39,15 @@ MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOE
 WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True}}
 
 
+def apply_settings(settings: dict) -> None:
+    """Set these ``moe_gemm`` module attributes (a mode of ``MODES``, or any such dict)."""
+    for key, value in settings.items():
+        setattr(moe_gemm, key, value)
+
+
 def _mode(name):
     moe_gemm.WARP_SPECIALIZE.update(WS_MODES.get(name, {"gemm1": False, "gemm2": False}))
-    for key, value in MODES["rule" if name in WS_MODES else name].items():
-        setattr(moe_gemm, key, value)
+    apply_settings(MODES["rule" if name in WS_MODES else name])
 
 
 def main(argv=None):

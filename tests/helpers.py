@@ -69,6 +69,16 @@ def routed_on_tiles(config, x, ids, w, W, E: int, K: int):
     return result.output, result.gemm2_output
 
 
+def record_tma_choices(monkeypatch) -> list[bool]:
+    """A list that collects what ``moe_gemm.takes_tma`` answers at each GEMM launch from now on (GEMM1's, then
+    GEMM2's, per call)."""
+    from moelab.kernels import moe_gemm
+
+    launched, takes = [], moe_gemm.takes_tma
+    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
+    return launched
+
+
 def lora_and_base_outputs(experts, x, topk_weights, topk_ids, lora_ids):
     """``experts`` called with ``lora_ids`` and without LoRA, in moelab's debug mode (every launch checked):
     returns (out, base), both [T, H]."""

@@ -14,6 +14,7 @@ from helpers import (
     random_experts,
     random_topk_ids,
     random_weights,
+    record_tma_choices,
     rel_err,
 )
 
@@ -438,9 +439,7 @@ def test_lora_paths_on_the_gpu_tile_shapes(config, tma, fused, device, monkeypat
     monkeypatch.setattr(moe_gemm, "TMA_MIN_HI_GEMM2", 0)
     if tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("TMA descriptors need an SM 9.0+ GPU (Hopper)")
-    launched = []
-    takes = moe_gemm.takes_tma
-    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
+    launched = record_tma_choices(monkeypatch)
     monkeypatch.setattr(triton_backend, "choose_config", lambda *a, **k: GemmConfig(*config))
     monkeypatch.setattr(triton_backend, "_layout", triton_backend._layout.__wrapped__)  # uncached: the config above
     T, K, E, H, I = 24, 2, 4, 64, 48  # ~12 rows an expert: one row tile of either size holds several adapters

@@ -6,7 +6,14 @@ the kernels run in Triton's interpreter."""
 
 import pytest
 import torch
-from helpers import assert_close_to_reference, routed_on_tiles, routed_problem
+from helpers import (
+    assert_close_to_reference,
+    random_topk_ids,
+    random_weights,
+    record_tma_choices,
+    routed_on_tiles,
+    routed_problem,
+)
 
 import moelab
 from moelab import reference
@@ -22,9 +29,7 @@ def test_tma_loads_match_the_reference_and_the_pointer_loads(H, I, dtype, device
     x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=H + I, device=device)
     config = GemmConfig(64, 32, 32, 4, 1)
     _tma_everywhere(monkeypatch)
-    launched = []
-    takes = moe_gemm.takes_tma
-    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
+    launched = record_tma_choices(monkeypatch)
     out_tma = routed_on_tiles(config, x, ids, w, W, E, K)[0]
     assert launched == [True, True], "both GEMMs should have taken the TMA loads"
     monkeypatch.setattr(moe_gemm, "TMA", False)
@@ -78,9 +83,7 @@ def test_small_experts_on_128_row_tiles_take_tma_in_gemm2_only(dtype, device, mo
     monkeypatch.setattr(moe_gemm, "TMA", True)
     T, K, E, H, I = 40, 4, 4, 64, 48
     x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=3, device=device)
-    launched = []
-    takes = moe_gemm.takes_tma
-    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
+    launched = record_tma_choices(monkeypatch)
     out = routed_on_tiles(GemmConfig(128, 32, 32, 4, 4), x, ids, w, W, E, K)[0]
     assert launched == [False, True], "GEMM1 by pointer, GEMM2 through TMA"
     ref = reference.routed_moe(ids, w, x, w13, w2)
@@ -97,13 +100,11 @@ def test_tma_loads_of_an_up_only_w13(bias, device, monkeypatch):
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device)
     b13 = (torch.randn(E, I, generator=g) * 0.1).to(device) if bias else None
     x = torch.randn(T, H, generator=g).to(device)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32).to(device)
-    w = torch.rand(T, K, generator=g).to(device) + 0.1
+    ids = random_topk_ids(T, K, E, generator=g, device=device)
+    w = random_weights(T, K, generator=g, device=device)
     W = moelab.prepare_weights(w13, w2, backend="triton", activation="relu2", gated=False, w13_bias=b13)
     _tma_everywhere(monkeypatch)
-    launched = []
-    takes = moe_gemm.takes_tma
-    monkeypatch.setattr(moe_gemm, "takes_tma", lambda *a, **k: launched.append(takes(*a, **k)) or launched[-1])
+    launched = record_tma_choices(monkeypatch)
     out = routed_on_tiles(GemmConfig(64, 32, 32, 4, 1), x, ids, w, W, E, K)[0]
     assert launched == [True, True]
     ref = reference.routed_moe(ids, w, x, w13, w2, activation="relu2", gated=False, w13_bias=b13)
