@@ -3,7 +3,7 @@
     python scripts/tma_ab.py                                      # six shapes, T = 128, 1024, 4096, 16384
     python scripts/tma_ab.py --shape mixtral --tokens 4096 --json out.json
     python scripts/tma_ab.py --modes rule-a201208,rule             # HEAD's rule against a201208's
-    python scripts/tma_ab.py --modes one-tile,persistent           # GEMM1's persistent grid against one tile each
+    python scripts/tma_ab.py --modes one-tile,persistent-gemm1   # GEMM1's persistent grid against one tile each
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed with the
@@ -37,8 +37,10 @@ RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_g
 MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
          "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
-         # GEMM1 on the persistent grid (moe_gemm.PERSISTENT), or on one tile a program, whatever HEAD's default
-         "persistent": RULE | dict(PERSISTENT={"gemm1": True}), "one-tile": RULE | dict(PERSISTENT={"gemm1": False})}
+         # GEMM1, or both GEMMs, on the persistent grid (moe_gemm.PERSISTENT), or each on one tile a program
+         "persistent-gemm1": RULE | dict(PERSISTENT={"gemm1": True, "gemm2": False}),
+         "persistent-both": RULE | dict(PERSISTENT={"gemm1": True, "gemm2": True}),
+         "one-tile": RULE | dict(PERSISTENT={"gemm1": False, "gemm2": False})}
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's.
 WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True}}
 

@@ -1,7 +1,8 @@
-"""GEMM1 on the persistent grid (``moe_gemm.PERSISTENT``: a few programs walk every live tile in one flattened loop,
-then fill the tiles past the live rows): every element of its output written, bit for bit the one-tile kernel's,
-right against the float64 reference, with the tile threshold lowered to reach the interpreter's small tiles. On a
-CPU the kernels run in Triton's interpreter. Three programs make the grid here, so each walks several tiles."""
+"""The GEMMs on the persistent grid (``moe_gemm.PERSISTENT``: a few programs walk every live tile in one flattened
+loop, then fill the tiles past the live rows): every element of their outputs written, bit for bit the one-tile
+kernels', right against the float64 reference, with the tile threshold lowered to reach the interpreter's small
+tiles. On a CPU the kernels run in Triton's interpreter. Three programs make the grid here, so each walks several
+tiles."""
 
 import pytest
 import torch
@@ -17,15 +18,16 @@ SENTINEL = 12345.0  # never a value of the activation here (|act| is far below i
 
 
 def _persistent(monkeypatch, on: bool):
-    monkeypatch.setattr(moe_gemm, "PERSISTENT", {"gemm1": on})
+    monkeypatch.setattr(moe_gemm, "PERSISTENT", {"gemm1": on, "gemm2": on})
     monkeypatch.setattr(moe_gemm, "PERSISTENT_MIN_BLOCK_M", 16)
     monkeypatch.setattr(moe_gemm, "PERSISTENT_PROGRAMS", 3)
 
 
 def _spy_kernels(monkeypatch) -> list[str]:
-    """Names of the GEMM1 kernels launched from now on."""
+    """Names of the GEMM kernels launched from now on."""
     launched = []
-    for name in ("_gemm1_swiglu_kernel", "_gemm1_swiglu_persistent_kernel"):
+    for name in ("_gemm1_swiglu_kernel", "_gemm1_swiglu_persistent_kernel", "_gemm2_kernel",
+                 "_gemm2_persistent_kernel"):
         kernel = getattr(moe_gemm, name)
 
         class Spy:
@@ -36,33 +38,41 @@ def _spy_kernels(monkeypatch) -> list[str]:
     return launched
 
 
-def _gemm1(x, ids, W, E, K, config, **options):
+def _gemms(x, ids, W, E, K, config, **options):
+    """GEMM1 and GEMM2 into outputs filled with SENTINEL: (act, GEMM2's output, segments)."""
     seg = build_segments_triton(ids, E, config.block_m)
-    act = torch.full((seg.row_to_slot.numel(), W.gemm1_weights.shape[1] // 2), SENTINEL, dtype=x.dtype, device=x.device)
-    return moe_gemm.gemm1_swiglu(x, W.gemm1_weights, act, seg, top_k=K, config=config, **options), seg
+    rows, (H, I) = seg.row_to_slot.numel(), W.gemm2_weights.shape[1:]
+    act = torch.full((rows, I), SENTINEL, dtype=x.dtype, device=x.device)
+    moe_gemm.gemm1_swiglu(x, W.gemm1_weights, act, seg, top_k=K, config=config, **options)
+    out = torch.full((rows, H), SENTINEL, dtype=x.dtype, device=x.device)
+    moe_gemm.gemm2(act, W.gemm2_weights, out, seg, config=config, dead_fill=options.get("dead_fill", 0.0))
+    return act, out, seg
 
 
 @pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 4, 1), GemmConfig(16, 32, 32, 4, 2, group_m=3)],
                          ids=["plain", "grouped"])
 @pytest.mark.parametrize("H, I", [(64, 96), (72, 80)], ids=["even", "K-tail-and-column-tail"])
-def test_persistent_gemm1_writes_every_element_as_the_one_tile_kernel(H, I, config, device, monkeypatch):
+def test_persistent_gemms_write_every_element_as_the_one_tile_kernels(H, I, config, device, monkeypatch):
     T, K, E, dtype = 40, 4, 4, torch.bfloat16
     x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=H + I + config.group_m, device=device)
     launched = _spy_kernels(monkeypatch)
     _persistent(monkeypatch, False)
-    one_tile, seg = _gemm1(x, ids, W, E, K, config, dead_fill=0.0)
+    one_tile = _gemms(x, ids, W, E, K, config, dead_fill=0.0)
     _persistent(monkeypatch, True)
-    persistent, _ = _gemm1(x, ids, W, E, K, config, dead_fill=0.0)
-    assert launched == ["_gemm1_swiglu_kernel", "_gemm1_swiglu_persistent_kernel"]
+    persistent = _gemms(x, ids, W, E, K, config, dead_fill=0.0)
+    assert launched == ["_gemm1_swiglu_kernel", "_gemm2_kernel", "_gemm1_swiglu_persistent_kernel",
+                        "_gemm2_persistent_kernel"]
+    seg = persistent[2]
     live_tiles = int((seg.block_group >= 0).sum())
     assert live_tiles < seg.block_group.numel(), "the problem should have row tiles past the live rows"
-    assert not (persistent == SENTINEL).any(), "the persistent grid left elements unwritten"
-    assert torch.equal(persistent, one_tile)
-    assert (persistent[live_tiles * config.block_m:] == 0).all(), "the dead tiles hold DEAD_FILL"
+    for name, got, expected in zip(("GEMM1", "GEMM2"), persistent[:2], one_tile[:2]):
+        assert not (got == SENTINEL).any(), f"the persistent {name} left elements unwritten"
+        assert torch.equal(got, expected), name
+        assert (got[live_tiles * config.block_m:] == 0).all(), f"{name}'s dead tiles hold DEAD_FILL"
 
 
 @pytest.mark.parametrize("options", ["plain", "swigluoai-bias"])
-def test_persistent_gemm1_in_the_routed_moe_matches_the_reference(options, device, monkeypatch):
+def test_persistent_gemms_in_the_routed_moe_match_the_reference(options, device, monkeypatch):
     T, K, E, H, I, dtype = 40, 4, 4, 64, 48, torch.float32
     x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=len(options), device=device)
     ref_kwargs = {}
@@ -75,7 +85,7 @@ def test_persistent_gemm1_in_the_routed_moe_matches_the_reference(options, devic
     launched = _spy_kernels(monkeypatch)
     _persistent(monkeypatch, True)
     out = routed_on_tiles(GemmConfig(16, 32, 32, 4, 1), x, ids, w, W, E, K)[0]
-    assert launched == ["_gemm1_swiglu_persistent_kernel"]
+    assert launched == ["_gemm1_swiglu_persistent_kernel", "_gemm2_persistent_kernel"]
     ref = reference.routed_moe(ids, w, x, w13, w2, **ref_kwargs)
     assert_close_to_reference(out, ref["output"], dtype, f"persistent GEMM1, {options}")
 
@@ -87,8 +97,8 @@ def test_persistent_gemm1_with_a_delta_and_weights_on_the_input(device, monkeypa
     delta = (torch.randn(T * K, 2 * I, generator=torch.Generator().manual_seed(5)) * 0.1).to(device)  # [up | gate]
     launched = _spy_kernels(monkeypatch)
     _persistent(monkeypatch, True)
-    act, seg = _gemm1(x, ids, W, E, K, GemmConfig(16, 32, 32, 4, 1), delta=delta, input_weights=w.contiguous())
-    assert launched == ["_gemm1_swiglu_persistent_kernel"]
+    act, _, seg = _gemms(x, ids, W, E, K, GemmConfig(16, 32, 32, 4, 1), delta=delta, input_weights=w.contiguous())
+    assert launched == ["_gemm1_swiglu_persistent_kernel", "_gemm2_persistent_kernel"]
     inputs = x.double()[torch.arange(T * K, device=device) // K] * w.double().flatten()[:, None]
     experts = w13.double()[ids.flatten().long()]  # [T*K, 2I, H], rows [gate; up]
     gate = torch.einsum("sh,sih->si", inputs, experts[:, :I]) + delta.double()[:, I:]
@@ -97,18 +107,18 @@ def test_persistent_gemm1_with_a_delta_and_weights_on_the_input(device, monkeypa
     assert_close_to_reference(act[seg.slot_to_row.long()], expected, dtype, "persistent GEMM1, delta, w on input")
 
 
-def test_persistent_gemm1_with_no_local_rows_fills_every_tile(device, monkeypatch):
+def test_persistent_gemms_with_no_local_rows_fill_every_tile(device, monkeypatch):
     """Every slot routed to another rank's experts: no live tile, every row tile filled."""
     T, K, E, H, I, dtype = 40, 4, 4, 64, 48, torch.bfloat16
     x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=11, device=device)
     _persistent(monkeypatch, True)
-    act, seg = _gemm1(x, ids + E, W, E, K, GemmConfig(16, 32, 32, 4, 1), dead_fill=0.0)
+    act, out, seg = _gemms(x, ids + E, W, E, K, GemmConfig(16, 32, 32, 4, 1), dead_fill=0.0)
     assert (seg.block_group < 0).all()
-    assert (act == 0).all(), "the persistent grid left dead tiles unfilled"
+    assert (act == 0).all() and (out == 0).all(), "the persistent grid left dead tiles unfilled"
 
 
 def test_the_persistent_rule(device, monkeypatch):
-    monkeypatch.setattr(moe_gemm, "PERSISTENT", {"gemm1": True})
+    monkeypatch.setattr(moe_gemm, "PERSISTENT", {"gemm1": True, "gemm2": False})
     wide, narrow = GemmConfig(128, 128, 64, 8, 4), GemmConfig(64, 128, 64, 4, 4)
     x = torch.zeros(4, 64, dtype=torch.bfloat16, device=device)
     if device.type == "cuda" and moe_gemm.device_limits(device).shared_memory < 224 * 1024:
@@ -116,5 +126,6 @@ def test_the_persistent_rule(device, monkeypatch):
     else:
         assert moe_gemm.takes_persistent(wide, x)
     assert not moe_gemm.takes_persistent(narrow, x), "tiles below PERSISTENT_MIN_BLOCK_M keep one tile each"
-    monkeypatch.setattr(moe_gemm, "PERSISTENT", {"gemm1": False})
+    assert not moe_gemm.takes_persistent(wide, x, "gemm2"), "each GEMM has its own switch"
+    monkeypatch.setattr(moe_gemm, "PERSISTENT", {"gemm1": False, "gemm2": False})
     assert not moe_gemm.takes_persistent(wide, x)

@@ -131,13 +131,14 @@ GEMM2_MAX_STAGES = 3
 #: and GEMM2. Off: on the H200 (scripts/tma_ab.py --ws, a1357e4) it moved Mixtral, DeepSeek-V3 and GPT-OSS-20B at
 #: T = 4096-16384 by -1.1 % to +0.8 %, within the run-to-run spread (BENCHMARKS.md, "TMA loads").
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
-#: GEMM1 without a fused LoRA bank, on tiles of PERSISTENT_MIN_BLOCK_M rows or more, runs on a persistent grid
+#: GEMM1 (and GEMM2: "gemm2") without a fused LoRA bank, on tiles of PERSISTENT_MIN_BLOCK_M rows or more, runs on a
+#: persistent grid
 #: (:func:`_gemm1_swiglu_persistent_kernel`: one program per SM, its tiles in one flattened loop, so a tile's loads
 #: start under the previous tile's epilogue; its 128 x 2*128 tiles hold one block an SM, so no second block hides
 #: that epilogue). Its epilogue needs a [BLOCK_M, BLOCK_N] tile of shared memory beside the stages (sm_90: 4 stages
 #: of 128x2*128x64 bf16 and the epilogue's 32 KB, 224 KB of the H200's 227), so configs that leave no room for it keep
 #: one tile a program. PERSISTENT_PROGRAMS: the grid (None: one program per SM, 3 in the interpreter).
-PERSISTENT = {"gemm1": False}
+PERSISTENT = {"gemm1": False, "gemm2": False}
 PERSISTENT_MIN_BLOCK_M = 128
 PERSISTENT_PROGRAMS: int | None = None
 
@@ -542,6 +543,48 @@ def _gemm1_swiglu_persistent_kernel(
 
 
 @jit
+def _gemm2_k_loop(act_ptr, stride_act_r, rows, pid_m, w2_ptr, stride_w_e, stride_w_n, a_desc, w_desc, expert, cols,
+                  col_ok, n0, H, I, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr):
+    """GEMM2's K loop over one tile: the fp32 accumulator [BLOCK_M, BLOCK_N] of the tile's activation rows (contiguous)
+    against the expert's w2 rows ``cols``, read by pointer or through the descriptors (``W_DESC``)."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
+    w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_DESC:
+        w_row = expert * H + n0
+    for k0 in tl.range(0, tl.cdiv(I, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        if W_DESC:
+            a = a_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
+            w = w_desc.load([w_row, k0 * BLOCK_K]).T
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks + k0 * BLOCK_K < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_F32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@jit
+def _gemm2_bias(acc, bias_ptr, row_to_slot_ptr, rows, expert, cols, col_ok, H):
+    """GEMM2's bias [E_local, H] (None: none) added to the live rows' accumulators, unweighted."""
+    if bias_ptr is not None:  # unweighted, before the LoRA term (base rows stay the base path's bit for bit)
+        live = tl.load(row_to_slot_ptr + rows) >= 0  # padding rows keep DEAD_FILL's product
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = tl.where(live[:, None], acc + bias[None, :], acc)
+    return acc
+
+
+@jit
 def _gemm2_kernel(
     act_ptr, w2_ptr, out_ptr, block_group_ptr,
     num_live_blocks, num_rows, H, I,
@@ -567,9 +610,6 @@ def _gemm2_kernel(
     if expert < 0:
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
         return
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
-    w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
         if LORA_OWN:
             slots = tl.load(row_to_slot_ptr + rows)
@@ -602,32 +642,16 @@ def _gemm2_kernel(
                 s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
             b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
                                 L_PAD, R_PAD)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_desc = None
+    w_desc = None
     if W_DESC:
         a_desc = tl.make_tensor_descriptor(act_ptr, shape=[num_rows, I], strides=[stride_act_r, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w2_ptr, shape=[w_rows, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
-        w_row = expert * H + n0
-    for k0 in tl.range(0, tl.cdiv(I, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
-        if W_DESC:
-            a = a_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
-            w = w_desc.load([w_row, k0 * BLOCK_K]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks + k0 * BLOCK_K < I
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if DOT_F32:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if bias_ptr is not None:  # unweighted, before the LoRA term (base rows stay the base path's bit for bit)
-        live = tl.load(row_to_slot_ptr + rows) >= 0  # padding rows keep DEAD_FILL's product
-        bias = tl.load(bias_ptr + expert.to(tl.int64) * H + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc = tl.where(live[:, None], acc + bias[None, :], acc)
+    acc = _gemm2_k_loop(act_ptr, stride_act_r, rows, pid_m, w2_ptr, stride_w_e, stride_w_n, a_desc, w_desc, expert,
+                        cols, col_ok, n0, H, I, DOT_F32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_DESC,
+                        WARP_SPECIALIZE)
+    acc = _gemm2_bias(acc, bias_ptr, row_to_slot_ptr, rows, expert, cols, col_ok, H)
     if LORA:
         if LORA_DECODE:  # the W2 rank vectors: weighted, rounded to the input dtype
             s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
@@ -638,6 +662,38 @@ def _gemm2_kernel(
                                             cols, col_ok, H, num_local_experts, max_rank, ratio,
                                             act_ptr.dtype.element_ty, LORA_DECODE, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@jit
+def _gemm2_persistent_kernel(
+    act_ptr, w2_ptr, out_ptr, block_group_ptr,
+    num_blocks, num_rows, H, I, num_programs,
+    stride_act_r, stride_w_e, stride_w_n, stride_out_r,
+    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1, row_to_slot_ptr=None, bias_ptr=None,
+    w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+):
+    """:func:`_gemm2_kernel` without a fused LoRA bank on a persistent grid, as
+    :func:`_gemm1_swiglu_persistent_kernel` runs GEMM1 (arguments as there)."""
+    wait_for_previous_kernel(USE_GDC)
+    num_live = _live_row_tiles(block_group_ptr, num_blocks, 1024)
+    a_desc = None
+    w_desc = None
+    if W_DESC:
+        a_desc = tl.make_tensor_descriptor(act_ptr, shape=[num_rows, I], strides=[stride_act_r, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w2_ptr, shape=[w_rows, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
+    for tile in tl.range(tl.program_id(0), num_live * tl.cdiv(H, BLOCK_N), num_programs, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_at(
+            tile, out_ptr, stride_out_r, block_group_ptr, num_live, num_live, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _gemm2_k_loop(act_ptr, stride_act_r, rows, pid_m, w2_ptr, stride_w_e, stride_w_n, a_desc, w_desc,
+                            expert, cols, col_ok, n0, H, I, DOT_F32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                            W_DESC, False)
+        acc = _gemm2_bias(acc, bias_ptr, row_to_slot_ptr, rows, expert, cols, col_ok, H)
+        tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
+    _fill_dead_tiles(out_ptr, stride_out_r, num_live, num_rows, H, num_programs, DEAD_FILL, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -719,10 +775,10 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
     return act
 
 
-def takes_persistent(config: GemmConfig, x: torch.Tensor) -> bool:
-    """Whether GEMM1 of ``config`` without a fused LoRA bank, on input ``x``, runs on the persistent grid
-    (``PERSISTENT``)."""
-    if not PERSISTENT["gemm1"] or config.block_m < PERSISTENT_MIN_BLOCK_M:
+def takes_persistent(config: GemmConfig, x: torch.Tensor, gemm: str = "gemm1") -> bool:
+    """Whether ``gemm`` ("gemm1" or "gemm2") of ``config`` without a fused LoRA bank, on input ``x``, runs on the
+    persistent grid (``PERSISTENT``; the room for its epilogue tile counts GEMM1's stages, the larger)."""
+    if not PERSISTENT.get(gemm, False) or config.block_m < PERSISTENT_MIN_BLOCK_M:
         return False
     if x.device.type != "cuda":
         return _runtime.INTERPRET
@@ -745,18 +801,24 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     W2 term with ``lora``)."""
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
-    lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
-        "top_k": 0}
+    options = {}
     if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
-        lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
+        options = dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
     if takes_tma(config, H * I, w2, act, min_hi=TMA_MIN_HI_GEMM2):
-        lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
+        options |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
     stages = min(config.num_stages, GEMM2_MAX_STAGES) if config.block_m >= 128 else config.num_stages
-    _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
-        act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
-        num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,
+    shared = dict(
+        act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group, num_rows=reach, H=H, I=I,
         stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
-        **lora_args, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
+        **options, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages, **(pdl or {}))
+    tiles = cdiv(reach, config.block_m) * cdiv(H, config.block_n)
+    if lora is None and takes_persistent(config, act, "gemm2"):
+        programs = min(tiles, persistent_programs(act.device))
+        _gemm2_persistent_kernel[(programs,)](num_blocks=segments.block_group.numel(), num_programs=programs, **shared)
+        return out
+    lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
+        "top_k": 0}
+    _gemm2_kernel[(tiles,)](num_live_blocks=segments.block_group.numel(), **(lora_args | shared))
     return out
