@@ -30,7 +30,12 @@ two trees whose files are equal launch the same compiled kernels with the same a
 On a CUDA GPU the calls are real: the time per call is wall time with ``torch.cuda.synchronize()`` only after each
 round (at decode sizes the host is the bottleneck, so this is the host time; where the GPU work is longer, e.g.
 Mixtral, it is the GPU's), beside the same call replayed from a CUDA graph (the GPU time) and their ratio (issue
-12's target: eager <= 1.5x graph at T = 1 and 32). Prints only.
+12's target: eager <= 1.5x graph at T = 1 and 32), and then the same eager call timed as ``moelab.bench`` times it
+(``moelab.roofline.median_us``: ``do_bench``, CUDA events around each call after an L2 flush, no synchronize
+between calls). That timing hides host time up to the flush's GPU time: while the GPU clears the L2 buffer, the host
+already launches the call, so host-bound calls read faster there than back to back. Prints only.
+
+``--shape``: names of ``moelab.roofline.SHAPES`` (comma list) or ``E,K,H,I`` shapes (';' separates them).
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ if not CUDA:  # moelab's kernels as a GPU builds them (before moelab imports tri
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # this tree's moelab, unless PYTHONPATH names another
 
 import moelab  # noqa: E402
-from moelab.roofline import SHAPES  # noqa: E402
+from moelab.bench.cli import _split_shapes  # noqa: E402
+from moelab.roofline import get_shape, median_us  # noqa: E402
 
 #: What the stubbed Triton saw: first launches of a signature (``dispatch``) and stubbed compiled launches.
 COUNTS = {"dispatch": 0, "launch": 0}
@@ -105,7 +111,7 @@ def _stub_triton() -> None:
 def make_call(shape: str, T: int, activation: str, bias: bool, lora_ranks: list[int] | None = None):
     """The bench's eager call of ``shape`` at ``T`` tokens (returns a function of no arguments); with
     ``lora_ranks``, its ``LoRAExperts`` call of a bank of those adapters, token t on adapter t % len."""
-    s = SHAPES[shape]
+    s = get_shape(shape)
     dev, dt = ("cuda" if CUDA else "cpu"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     rows = 2 * s.I
@@ -210,6 +216,8 @@ def measure(shape: str, T: int, a) -> None:
     if CUDA:
         g = graph_us(call, a.calls)
         line += f"); CUDA graph {g:7.1f} µs/call; eager / graph {us / g:5.2f}"
+        bench = median_us(call, torch.device("cuda"))
+        line += f"; the bench's eager timing {bench:7.1f} µs ({bench / g:4.2f}x)"
     else:
         line += f", dispatches {COUNTS['dispatch'] - dispatched} in the timed rounds)"
     print(line, flush=True)
@@ -235,7 +243,7 @@ def main() -> None:
         _stub_triton()
     where = torch.cuda.get_device_name() if CUDA else "CPU, Triton stubbed below CachedLaunchJIT"
     print(f"moelab {moelab.__file__}, torch {torch.__version__}, triton {__import__('triton').__version__}, {where}")
-    for shape in a.shape.split(","):
+    for shape in _split_shapes(a.shape):
         for T in (int(t) for t in a.tokens.split(",")):
             measure(shape, T, a)
             if CUDA:

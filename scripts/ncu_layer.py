@@ -1,11 +1,10 @@
 """One routed-MoE layer call, for Nsight Compute to profile its kernels (the GEMMs, the finalize) on a CUDA GPU.
 
     ncu --clock-control none -k regex:_gemm --launch-skip 2 --launch-count 2 --section SpeedOfLight \\
-        python scripts/ncu_layer.py --shape qwen3-30b-a3b --tokens 16384 [--persistent]
+        python scripts/ncu_layer.py --shape qwen3-30b-a3b --tokens 16384
 
 Makes the call as the bench's "moelab triton" row does (``scripts/token_major_ab.py``'s layer and inputs), once to
-compile and warm up, then ``--calls`` more times; ``--persistent`` / ``--one-tile`` put both GEMMs on the persistent
-grid or on one tile a program (``moe_gemm.PERSISTENT``).
+compile and warm up, then ``--calls`` more times (``--launch-skip 2`` above skips the warm-up call's two GEMMs).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import argparse
 import torch
 from token_major_ab import _call, _inputs, _layer  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-from moelab.kernels import moe_gemm
 from moelab.roofline import get_shape
 
 
@@ -24,12 +22,7 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--calls", type=int, default=1)
-    grid = p.add_mutually_exclusive_group()
-    grid.add_argument("--persistent", action="store_true")
-    grid.add_argument("--one-tile", action="store_true")
     a = p.parse_args(argv)
-    if a.persistent or a.one_tile:
-        moe_gemm.PERSISTENT = {"gemm1": a.persistent, "gemm2": a.persistent}
     shape, device = get_shape(a.shape), torch.device("cuda")
     x, packed = _inputs(shape, a.tokens, torch.bfloat16, device)
     call = _call(packed, x, _layer(shape, torch.bfloat16, device), shape)

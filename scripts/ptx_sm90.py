@@ -6,7 +6,6 @@ refactor leaves the compiled code unchanged.
     diff -r build/ptx-before build/ptx-after && echo identical
     python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
     python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
-    python scripts/ptx_sm90.py build/ptx --persistent  # also the persistent grids, by pointer and with TMA
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -68,15 +67,6 @@ TMA = {
     "gemm2_tma_lora_tiles": (GEMM2, dict(EVEN_K=True, **TMA_TILE, **TILES_LORA)),
 }
 
-#: The GEMMs' persistent grid (``--persistent``), by pointer and through TMA.
-PERSISTENT_GEMM1 = moe_gemm._gemm1_swiglu_persistent_kernel
-PERSISTENT = {
-    "gemm1_persistent": (PERSISTENT_GEMM1, dict(HAS_DELTA=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)),
-    "gemm1_persistent_tma": (PERSISTENT_GEMM1, dict(HAS_DELTA=False, EVEN_K=True, **TMA_TILE)),
-    "gemm2_persistent": (moe_gemm._gemm2_persistent_kernel, dict(EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)),
-    "gemm2_persistent_tma": (moe_gemm._gemm2_persistent_kernel, dict(EVEN_K=True, **TMA_TILE)),
-}
-
 
 def arg_type(name: str, consts: dict) -> str:
     if isinstance(consts.get(name), str) and consts[name].startswith("*"):
@@ -102,8 +92,7 @@ def compile_ptx(kernel, given: dict) -> str:
 
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {}) | (
-        PERSISTENT if "--persistent" in sys.argv else {})
+    chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {})
     for name, (kernel, given) in chosen.items():
         ptx = compile_ptx(kernel, {**BASE, **given})
         with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:

@@ -3,7 +3,6 @@
     python scripts/tma_ab.py                                      # six shapes, T = 128, 1024, 4096, 16384
     python scripts/tma_ab.py --shape mixtral --tokens 4096 --json out.json
     python scripts/tma_ab.py --modes rule-a201208,rule             # HEAD's rule against a201208's
-    python scripts/tma_ab.py --modes one-tile,persistent-gemm1   # GEMM1's persistent grid against one tile each
 
 For each shape and T: one ``moelab.routed_moe`` call as the bench's "moelab triton" row makes it (bf16 random
 weights at the real size, packed routing words of K distinct uniform experts, ``validate=False``), timed with the
@@ -32,15 +31,10 @@ from moelab.roofline import get_shape, graphed, median_us
 #: "tma64" (TMA_MIN_BLOCK_M 64, TMA_MIN_HI 0) and "tma16" (16, 0). "rule-a201208": the rule before GEMM2 took TMA on
 #: every expert size (TMA_MIN_HI_GEMM2) and at most GEMM2_MAX_STAGES stages on 128-row tiles.
 RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_gemm.TMA_MIN_HI,
-            TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES,
-            PERSISTENT=dict(moe_gemm.PERSISTENT))
+            TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES)
 MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
-         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
-         # GEMM1, or both GEMMs, on the persistent grid (moe_gemm.PERSISTENT), or each on one tile a program
-         "persistent-gemm1": RULE | dict(PERSISTENT={"gemm1": True, "gemm2": False}),
-         "persistent-both": RULE | dict(PERSISTENT={"gemm1": True, "gemm2": True}),
-         "one-tile": RULE | dict(PERSISTENT={"gemm1": False, "gemm2": False})}
+         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0)}
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's.
 WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True}}
 

@@ -131,16 +131,6 @@ GEMM2_MAX_STAGES = 3
 #: and GEMM2. Off: on the H200 (scripts/tma_ab.py --ws, a1357e4) it moved Mixtral, DeepSeek-V3 and GPT-OSS-20B at
 #: T = 4096-16384 by -1.1 % to +0.8 %, within the run-to-run spread (BENCHMARKS.md, "TMA loads").
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
-#: GEMM1 (and GEMM2: "gemm2") without a fused LoRA bank, on tiles of PERSISTENT_MIN_BLOCK_M rows or more, runs on a
-#: persistent grid
-#: (:func:`_gemm1_swiglu_persistent_kernel`: one program per SM, its tiles in one flattened loop, so a tile's loads
-#: start under the previous tile's epilogue; its 128 x 2*128 tiles hold one block an SM, so no second block hides
-#: that epilogue). Its epilogue needs a [BLOCK_M, BLOCK_N] tile of shared memory beside the stages (sm_90: 4 stages
-#: of 128x2*128x64 bf16 and the epilogue's 32 KB, 224 KB of the H200's 227), so configs that leave no room for it keep
-#: one tile a program. PERSISTENT_PROGRAMS: the grid (None: one program per SM, 3 in the interpreter).
-PERSISTENT = {"gemm1": False, "gemm2": False}
-PERSISTENT_MIN_BLOCK_M = 128
-PERSISTENT_PROGRAMS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +140,6 @@ class DeviceLimits:
 
     capability: tuple[int, int]
     shared_memory: int
-    multiprocessors: int = 0  # SMs (0: not known), the persistent grid's programs
 
 
 _limits: dict[int, DeviceLimits] = {}
@@ -161,8 +150,7 @@ def device_limits(device: torch.device) -> DeviceLimits:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _limits:
         props = triton.runtime.driver.active.utils.get_device_properties(index)
-        _limits[index] = DeviceLimits(torch.cuda.get_device_capability(index), props["max_shared_mem"],
-                                      props["multiprocessor_count"])
+        _limits[index] = DeviceLimits(torch.cuda.get_device_capability(index), props["max_shared_mem"])
     return _limits[index]
 
 
@@ -259,21 +247,12 @@ def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
 @jit
 def _tile_prologue(out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, N, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, USE_GDC: tl.constexpr):
-    """The start both GEMM kernels share: wait for the previous kernel (PDL), then :func:`_tile_at` of this
-    program's tile of the [num_rows, N] output; a tile past the live rows (expert -1) is filled with ``DEAD_FILL``
-    by the caller, which returns without reading a weight."""
+    """The start both GEMM kernels share: wait for the previous kernel (PDL), find this program's tile of the
+    [num_rows, N] output and its local expert; a tile past the live rows (expert -1) is filled with ``DEAD_FILL``
+    by the caller, which returns without reading a weight. Returns (pid_m, rows, cols, col_ok, out_ptrs, out_mask,
+    expert, n0), n0 the tile's first column."""
     wait_for_previous_kernel(USE_GDC)
-    return _tile_at(tl.program_id(0), out_ptr, stride_out_r, block_group_ptr, num_live_blocks,
-                    tl.cdiv(num_rows, BLOCK_M), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-
-@jit
-def _tile_at(tile, out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_m, num_rows, N,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile ``tile`` of the [num_rows, N] output, ordered over ``num_m`` row tiles (:func:`_tile_of`), and its local
-    expert (-1 past the ``num_live_blocks`` first row tiles). Returns (pid_m, rows, cols, col_ok, out_ptrs,
-    out_mask, expert, n0), n0 the tile's first column."""
-    pid_m, pid_n = _tile_of(tile, num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -284,126 +263,6 @@ def _tile_at(tile, out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_
     if pid_m < num_live_blocks:
         expert = tl.load(block_group_ptr + pid_m)
     return pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0
-
-
-@jit
-def _live_row_tiles(block_group_ptr, num_blocks, CHUNK: tl.constexpr):
-    """How many row tiles hold live rows: the entries of ``block_group`` [num_blocks] that are >= 0 (the dead
-    tiles, -1, are its tail)."""
-    live = 0
-    for b0 in range(0, num_blocks, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        live += tl.sum((tl.load(block_group_ptr + b, mask=b < num_blocks, other=-1) >= 0).to(tl.int32), axis=0)
-    return live
-
-
-@jit
-def _fill_dead_tiles(out_ptr, stride_out_r, num_live_blocks, num_rows, N, num_programs, FILL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The persistent kernels' last step: this program's share of the row tiles past the live ones, filled with
-    ``FILL`` (what the one-tile kernels write there)."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), (tl.cdiv(num_rows, BLOCK_M) - num_live_blocks) * num_n, num_programs):
-        rows = (num_live_blocks + tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out_r + cols[None, :],
-                 tl.full((BLOCK_M, BLOCK_N), FILL, out_ptr.dtype.element_ty),
-                 mask=(rows < num_rows)[:, None] & (cols < N)[None, :])
-
-
-@jit
-def _gemm1_rows(row_to_slot_ptr, rows, top_k, in_weight_ptr, IN_WEIGHT_PACKED: tl.constexpr):
-    """The slots of a tile's rows, whether each is live, its token (int64), and, with ``in_weight_ptr``, its slot's
-    routing weight widened exactly to fp32 (else 0, unused)."""
-    slots = tl.load(row_to_slot_ptr + rows)
-    row_ok = slots >= 0
-    tokens = tl.where(row_ok, slots // top_k, 0).to(tl.int64)
-    in_weight = 0.0
-    if in_weight_ptr is not None:
-        if IN_WEIGHT_PACKED:  # the low half of the routing word is the bf16 weight
-            word = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0)
-            in_weight = routing_word_weight(word)
-        else:
-            in_weight = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0.0).to(tl.float32)
-    return slots, row_ok, tokens, in_weight
-
-
-@jit
-def _gemm1_k_loop(x_ptr, stride_x_t, tokens, row_ok, in_weight_ptr, in_weight, w13_ptr, stride_w_e, stride_w_n,
-                  w_desc, expert, cols, col_ok, n0, H, I, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  GATED: tl.constexpr, W_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """GEMM1's K loop over one tile: the fp32 accumulators (acc_gate, acc_up) [BLOCK_M, BLOCK_N] of the gathered
-    input rows (scaled by ``in_weight`` [BLOCK_M] where ``in_weight_ptr`` is not None) against the expert's gate and
-    up rows ``cols``, read by pointer or through ``w_desc`` (``W_DESC``). Not gated: acc_gate stays zero."""
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :]
-    w_base = w13_ptr + expert.to(tl.int64) * stride_w_e
-    gate_ptrs = w_base + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
-    if GATED:
-        up_ptrs = gate_ptrs + I * stride_w_n
-    else:  # the up rows are all of w13
-        up_ptrs = gate_ptrs
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if W_DESC:
-        gate_row = expert * (2 * I if GATED else I) + n0
-    for k0 in tl.range(0, tl.cdiv(H, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
-        if EVEN_K:  # the input rows, gathered by pointer on either path
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            k_ok = ks + k0 * BLOCK_K < H
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
-            if GATED:
-                wg = w_desc.load([gate_row, k0 * BLOCK_K]).T
-                wu = w_desc.load([gate_row + I, k0 * BLOCK_K]).T
-            else:
-                wu = w_desc.load([gate_row, k0 * BLOCK_K]).T
-        elif EVEN_K:
-            if GATED:
-                wg = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
-            wu = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            if GATED:
-                wg = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            wu = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if in_weight_ptr is not None:  # the expert sees w * x, rounded to the input dtype (as the model rounds it)
-            a = to_output(a.to(tl.float32) * in_weight[:, None], x_ptr.dtype.element_ty)
-        if DOT_F32:  # the interpreter mis-multiplies bf16 in tl.dot (triton #11584); fp32 inputs need ieee
-            if GATED:
-                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            else:
-                a, wu = a.to(tl.float32), wu.to(tl.float32)
-        if GATED:
-            acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    return acc_gate, acc_up
-
-
-@jit
-def _gemm1_bias_and_delta(acc_gate, acc_up, bias_ptr, delta_ptr, stride_d_slot, expert, slots, row_ok, cols, col_ok,
-                          I, HAS_DELTA: tl.constexpr, GATED: tl.constexpr):
-    """GEMM1's bias (w13's row order [gate; up], None: none) and then the slot's LoRA delta ([up | gate],
-    unweighted), added to the fp32 accumulators before the activation."""
-    if bias_ptr is not None:
-        if GATED:
-            b_ptrs = bias_ptr + expert.to(tl.int64) * (2 * I) + cols
-            acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        else:
-            acc_up += tl.load(bias_ptr + expert.to(tl.int64) * I + cols, mask=col_ok, other=0.0).to(tl.float32)[
-                None, :]
-    if HAS_DELTA:
-        d_ptrs = delta_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_d_slot + cols[None, :]
-        d_mask = row_ok[:, None] & col_ok[None, :]
-        acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-        if GATED:  # not gated: the delta is up only
-            acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
-    return acc_gate, acc_up
 
 
 @jit
@@ -439,7 +298,23 @@ def _gemm1_swiglu_kernel(
     if expert < 0:  # past the live rows: no weights to read
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, act_ptr.dtype.element_ty), mask=out_mask)
         return
-    slots, row_ok, tokens, in_weight = _gemm1_rows(row_to_slot_ptr, rows, top_k, in_weight_ptr, IN_WEIGHT_PACKED)
+    slots = tl.load(row_to_slot_ptr + rows)
+    row_ok = slots >= 0
+    tokens = tl.where(row_ok, slots // top_k, 0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_x_t + ks[None, :]
+    w_base = w13_ptr + expert.to(tl.int64) * stride_w_e
+    gate_ptrs = w_base + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    if GATED:
+        up_ptrs = gate_ptrs + I * stride_w_n
+    else:  # the up rows are all of w13
+        up_ptrs = gate_ptrs
+    if in_weight_ptr is not None:  # the routing weight of each row's slot, widened exactly to fp32
+        if IN_WEIGHT_PACKED:  # the low half of the routing word is the bf16 weight
+            word = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0)
+            in_weight = routing_word_weight(word)
+        else:
+            in_weight = tl.load(in_weight_ptr + tl.where(row_ok, slots, 0), mask=row_ok, other=0.0).to(tl.float32)
     if LORA:  # read the LoRA operands now: the K loop hides their latency (an epilogue load would not be hidden)
         if LORA_OWN:  # by slot at decode, by row in tiles; the lowest adapter's rows, its B (and A_down at decode)
             if LORA_DECODE:
@@ -472,14 +347,58 @@ def _gemm1_swiglu_kernel(
             bank = (expert, cols, col_ok, I, num_local_experts, num_loras, max_rank, has_lora)
             b_up = stacked_b(up_b_ptr, *bank, L_PAD, R_PAD)
             b_gate = stacked_b(gate_b_ptr, *bank, L_PAD, R_PAD)
-    w_desc = None
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if W_DESC:
         w_desc = tl.make_tensor_descriptor(w13_ptr, shape=[w_rows, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K])
-    acc_gate, acc_up = _gemm1_k_loop(x_ptr, stride_x_t, tokens, row_ok, in_weight_ptr, in_weight, w13_ptr, stride_w_e,
-                                     stride_w_n, w_desc, expert, cols, col_ok, n0, H, I, DOT_F32, DOT_PRECISION,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, GATED, W_DESC, WARP_SPECIALIZE)
-    acc_gate, acc_up = _gemm1_bias_and_delta(acc_gate, acc_up, bias_ptr, delta_ptr, stride_d_slot, expert, slots,
-                                             row_ok, cols, col_ok, I, HAS_DELTA, GATED)
+        gate_row = expert * (2 * I if GATED else I) + n0
+    for k0 in tl.range(0, tl.cdiv(H, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        if EVEN_K:  # the input rows, gathered by pointer on either path
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = ks + k0 * BLOCK_K < H
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            if GATED:
+                wg = w_desc.load([gate_row, k0 * BLOCK_K]).T
+                wu = w_desc.load([gate_row + I, k0 * BLOCK_K]).T
+            else:
+                wu = w_desc.load([gate_row, k0 * BLOCK_K]).T
+        elif EVEN_K:
+            if GATED:
+                wg = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
+            wu = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            if GATED:
+                wg = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            wu = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if in_weight_ptr is not None:  # the expert sees w * x, rounded to the input dtype (as the model rounds it)
+            a = to_output(a.to(tl.float32) * in_weight[:, None], x_ptr.dtype.element_ty)
+        if DOT_F32:  # the interpreter mis-multiplies bf16 in tl.dot (triton #11584); fp32 inputs need ieee
+            if GATED:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            else:
+                a, wu = a.to(tl.float32), wu.to(tl.float32)
+        if GATED:
+            acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    if bias_ptr is not None:  # GEMM1's bias, in w13's row order [gate; up], before the delta and the activation
+        if GATED:
+            b_ptrs = bias_ptr + expert.to(tl.int64) * (2 * I) + cols
+            acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc_up += tl.load(bias_ptr + expert.to(tl.int64) * I + cols, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :]
+    if HAS_DELTA:  # LoRA delta of the slot, [up | gate], added before the activation, unweighted
+        d_ptrs = delta_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * stride_d_slot + cols[None, :]
+        d_mask = row_ok[:, None] & col_ok[None, :]
+        acc_up += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+        if GATED:  # not gated: the delta is up only
+            acc_gate += tl.load(d_ptrs + I, mask=d_mask, other=0.0).to(tl.float32)
     if LORA:
         if has_lora:  # W13 LoRA, [up | gate] rank vectors, expanded before the activation
             acc_up = lora_expand(s_up, b_up, acc_up, DOT_F32, DOT_PRECISION)
@@ -503,85 +422,6 @@ def _gemm1_swiglu_kernel(
                                    DOT_PRECISION)
                 s2_ptrs = s2_ptr + tl.where(row_ok, slots, 0).to(tl.int64)[:, None] * (L_PAD * R_PAD) + j[None, :]
                 tl.atomic_add(s2_ptrs, part, mask=own, sem="relaxed")
-
-
-@jit
-def _gemm1_swiglu_persistent_kernel(
-    x_ptr, w13_ptr, delta_ptr, act_ptr, row_to_slot_ptr, block_group_ptr,
-    num_blocks, num_rows, H, I, top_k, num_programs,
-    stride_x_t, stride_w_e, stride_w_n, stride_d_slot, stride_act_r,
-    HAS_DELTA: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
-    bias_ptr=None, in_weight_ptr=None, ACTIVATION: tl.constexpr = "silu", GATED: tl.constexpr = True,
-    SWIGLU_ALPHA: tl.constexpr = None, SWIGLU_LIMIT: tl.constexpr = None, IN_WEIGHT_PACKED: tl.constexpr = False,
-    w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-):
-    """:func:`_gemm1_swiglu_kernel` without a fused LoRA bank, on a persistent grid: ``num_programs`` programs walk
-    the live tiles (``tile = program_id + i * num_programs``) in one loop that Triton flattens with the K loop, so a
-    tile's first loads are issued while the previous tile's epilogue runs; then the tiles past the live rows get
-    ``DEAD_FILL``. Arguments as there (``num_blocks``: the entries of ``block_group``)."""
-    wait_for_previous_kernel(USE_GDC)
-    num_live = _live_row_tiles(block_group_ptr, num_blocks, 1024)
-    w_desc = None
-    if W_DESC:
-        w_desc = tl.make_tensor_descriptor(w13_ptr, shape=[w_rows, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K])
-    for tile in tl.range(tl.program_id(0), num_live * tl.cdiv(I, BLOCK_N), num_programs, flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):
-        pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_at(
-            tile, act_ptr, stride_act_r, block_group_ptr, num_live, num_live, num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
-        slots, row_ok, tokens, in_weight = _gemm1_rows(row_to_slot_ptr, rows, top_k, in_weight_ptr, IN_WEIGHT_PACKED)
-        acc_gate, acc_up = _gemm1_k_loop(x_ptr, stride_x_t, tokens, row_ok, in_weight_ptr, in_weight, w13_ptr,
-                                         stride_w_e, stride_w_n, w_desc, expert, cols, col_ok, n0, H, I, DOT_F32,
-                                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, GATED, W_DESC, False)
-        acc_gate, acc_up = _gemm1_bias_and_delta(acc_gate, acc_up, bias_ptr, delta_ptr, stride_d_slot, expert, slots,
-                                                 row_ok, cols, col_ok, I, HAS_DELTA, GATED)
-        act = expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT)
-        tl.store(out_ptrs, to_output(tl.where(row_ok[:, None], act, DEAD_FILL), act_ptr.dtype.element_ty),
-                 mask=out_mask)
-    _fill_dead_tiles(act_ptr, stride_act_r, num_live, num_rows, I, num_programs, DEAD_FILL, BLOCK_M, BLOCK_N)
-
-
-@jit
-def _gemm2_k_loop(act_ptr, stride_act_r, rows, pid_m, w2_ptr, stride_w_e, stride_w_n, a_desc, w_desc, expert, cols,
-                  col_ok, n0, H, I, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_DESC: tl.constexpr,
-                  WARP_SPECIALIZE: tl.constexpr):
-    """GEMM2's K loop over one tile: the fp32 accumulator [BLOCK_M, BLOCK_N] of the tile's activation rows (contiguous)
-    against the expert's w2 rows ``cols``, read by pointer or through the descriptors (``W_DESC``)."""
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
-    w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if W_DESC:
-        w_row = expert * H + n0
-    for k0 in tl.range(0, tl.cdiv(I, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
-        if W_DESC:
-            a = a_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
-            w = w_desc.load([w_row, k0 * BLOCK_K]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks + k0 * BLOCK_K < I
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if DOT_F32:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc
-
-
-@jit
-def _gemm2_bias(acc, bias_ptr, row_to_slot_ptr, rows, expert, cols, col_ok, H):
-    """GEMM2's bias [E_local, H] (None: none) added to the live rows' accumulators, unweighted."""
-    if bias_ptr is not None:  # unweighted, before the LoRA term (base rows stay the base path's bit for bit)
-        live = tl.load(row_to_slot_ptr + rows) >= 0  # padding rows keep DEAD_FILL's product
-        bias = tl.load(bias_ptr + expert.to(tl.int64) * H + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc = tl.where(live[:, None], acc + bias[None, :], acc)
-    return acc
 
 
 @jit
@@ -610,6 +450,9 @@ def _gemm2_kernel(
     if expert < 0:
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
         return
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
+    w_ptrs = w2_ptr + expert.to(tl.int64) * stride_w_e + cols[None, :].to(tl.int64) * stride_w_n + ks[:, None]
     if LORA:  # read the LoRA operands now, as GEMM1 does
         if LORA_OWN:
             slots = tl.load(row_to_slot_ptr + rows)
@@ -642,16 +485,32 @@ def _gemm2_kernel(
                 s_down = stacked_s(s2_ptr, rows, L_PAD * R_PAD, has_lora, L_PAD, R_PAD)
             b_down = stacked_b(down_b_ptr, expert, cols, col_ok, H, num_local_experts, num_loras, max_rank, has_lora,
                                 L_PAD, R_PAD)
-    a_desc = None
-    w_desc = None
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if W_DESC:
         a_desc = tl.make_tensor_descriptor(act_ptr, shape=[num_rows, I], strides=[stride_act_r, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w2_ptr, shape=[w_rows, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
-    acc = _gemm2_k_loop(act_ptr, stride_act_r, rows, pid_m, w2_ptr, stride_w_e, stride_w_n, a_desc, w_desc, expert,
-                        cols, col_ok, n0, H, I, DOT_F32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_DESC,
-                        WARP_SPECIALIZE)
-    acc = _gemm2_bias(acc, bias_ptr, row_to_slot_ptr, rows, expert, cols, col_ok, H)
+        w_row = expert * H + n0
+    for k0 in tl.range(0, tl.cdiv(I, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        if W_DESC:
+            a = a_desc.load([pid_m * BLOCK_M, k0 * BLOCK_K])
+            w = w_desc.load([w_row, k0 * BLOCK_K]).T
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks + k0 * BLOCK_K < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_F32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if bias_ptr is not None:  # unweighted, before the LoRA term (base rows stay the base path's bit for bit)
+        live = tl.load(row_to_slot_ptr + rows) >= 0  # padding rows keep DEAD_FILL's product
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = tl.where(live[:, None], acc + bias[None, :], acc)
     if LORA:
         if LORA_DECODE:  # the W2 rank vectors: weighted, rounded to the input dtype
             s_down = to_output(s2_sum * ratio[:, None], act_ptr.dtype.element_ty)
@@ -662,38 +521,6 @@ def _gemm2_kernel(
                                             cols, col_ok, H, num_local_experts, max_rank, ratio,
                                             act_ptr.dtype.element_ty, LORA_DECODE, RANK_CHUNK, DOT_F32, DOT_PRECISION)
     tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@jit
-def _gemm2_persistent_kernel(
-    act_ptr, w2_ptr, out_ptr, block_group_ptr,
-    num_blocks, num_rows, H, I, num_programs,
-    stride_act_r, stride_w_e, stride_w_n, stride_out_r,
-    DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, DEAD_FILL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False, GROUP_M: tl.constexpr = 1, row_to_slot_ptr=None, bias_ptr=None,
-    w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-):
-    """:func:`_gemm2_kernel` without a fused LoRA bank on a persistent grid, as
-    :func:`_gemm1_swiglu_persistent_kernel` runs GEMM1 (arguments as there)."""
-    wait_for_previous_kernel(USE_GDC)
-    num_live = _live_row_tiles(block_group_ptr, num_blocks, 1024)
-    a_desc = None
-    w_desc = None
-    if W_DESC:
-        a_desc = tl.make_tensor_descriptor(act_ptr, shape=[num_rows, I], strides=[stride_act_r, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w2_ptr, shape=[w_rows, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
-    for tile in tl.range(tl.program_id(0), num_live * tl.cdiv(H, BLOCK_N), num_programs, flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):
-        pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_at(
-            tile, out_ptr, stride_out_r, block_group_ptr, num_live, num_live, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _gemm2_k_loop(act_ptr, stride_act_r, rows, pid_m, w2_ptr, stride_w_e, stride_w_n, a_desc, w_desc,
-                            expert, cols, col_ok, n0, H, I, DOT_F32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                            W_DESC, False)
-        acc = _gemm2_bias(acc, bias_ptr, row_to_slot_ptr, rows, expert, cols, col_ok, H)
-        tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
-    _fill_dead_tiles(out_ptr, stride_out_r, num_live, num_rows, H, num_programs, DEAD_FILL, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -757,40 +584,17 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
-    shared = dict(
+    _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
         x_ptr=x, w13_ptr=w13, delta_ptr=delta if delta is not None else x, act_ptr=act,
-        row_to_slot_ptr=segments.row_to_slot, block_group_ptr=segments.block_group, num_rows=reach, H=H, I=I,
-        top_k=top_k, stride_x_t=x.stride(0), stride_w_e=w13.stride(0), stride_w_n=w13.stride(1),
-        stride_d_slot=delta.shape[-1] if delta is not None else 0, stride_act_r=act.stride(0), **options,
+        row_to_slot_ptr=segments.row_to_slot, block_group_ptr=segments.block_group,
+        num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I, top_k=top_k,
+        stride_x_t=x.stride(0), stride_w_e=w13.stride(0), stride_w_n=w13.stride(1),
+        stride_d_slot=delta.shape[-1] if delta is not None else 0, stride_act_r=act.stride(0), **lora_args,
+        **options,
         HAS_DELTA=delta is not None, **dot_flags(x.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=H % config.block_k == 0,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages, **(pdl or {}))
-    tiles = cdiv(reach, config.block_m) * cdiv(I, config.block_n)
-    if lora is None and takes_persistent(config, x):
-        programs = min(tiles, persistent_programs(x.device))
-        _gemm1_swiglu_persistent_kernel[(programs,)](num_blocks=segments.block_group.numel(), num_programs=programs,
-                                                     **shared)
-    else:
-        _gemm1_swiglu_kernel[(tiles,)](num_live_blocks=segments.block_group.numel(), **lora_args, **shared)
     return act
-
-
-def takes_persistent(config: GemmConfig, x: torch.Tensor, gemm: str = "gemm1") -> bool:
-    """Whether ``gemm`` ("gemm1" or "gemm2") of ``config`` without a fused LoRA bank, on input ``x``, runs on the
-    persistent grid (``PERSISTENT``; the room for its epilogue tile counts GEMM1's stages, the larger)."""
-    if not PERSISTENT.get(gemm, False) or config.block_m < PERSISTENT_MIN_BLOCK_M:
-        return False
-    if x.device.type != "cuda":
-        return _runtime.INTERPRET
-    epilogue = config.block_m * config.block_n * x.element_size()
-    return shared_memory_bytes(config, x.element_size()) + epilogue <= device_limits(x.device).shared_memory
-
-
-def persistent_programs(device: torch.device) -> int:
-    """The persistent grid's programs on ``device`` (``PERSISTENT_PROGRAMS``)."""
-    if PERSISTENT_PROGRAMS is not None:
-        return PERSISTENT_PROGRAMS
-    return device_limits(device).multiprocessors if device.type == "cuda" else 3
 
 
 def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, config: GemmConfig,
@@ -801,24 +605,18 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     W2 term with ``lora``)."""
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
-    options = {}
-    if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
-        options = dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
-    if takes_tma(config, H * I, w2, act, min_hi=TMA_MIN_HI_GEMM2):
-        options |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
-    stages = min(config.num_stages, GEMM2_MAX_STAGES) if config.block_m >= 128 else config.num_stages
-    shared = dict(
-        act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group, num_rows=reach, H=H, I=I,
-        stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
-        **options, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages, **(pdl or {}))
-    tiles = cdiv(reach, config.block_m) * cdiv(H, config.block_n)
-    if lora is None and takes_persistent(config, act, "gemm2"):
-        programs = min(tiles, persistent_programs(act.device))
-        _gemm2_persistent_kernel[(programs,)](num_blocks=segments.block_group.numel(), num_programs=programs, **shared)
-        return out
     lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
         "top_k": 0}
-    _gemm2_kernel[(tiles,)](num_live_blocks=segments.block_group.numel(), **(lora_args | shared))
+    if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
+        lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
+    if takes_tma(config, H * I, w2, act, min_hi=TMA_MIN_HI_GEMM2):
+        lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
+    stages = min(config.num_stages, GEMM2_MAX_STAGES) if config.block_m >= 128 else config.num_stages
+    _gemm2_kernel[(cdiv(reach, config.block_m) * cdiv(H, config.block_n),)](
+        act_ptr=act, w2_ptr=w2, out_ptr=out, block_group_ptr=segments.block_group,
+        num_live_blocks=segments.block_group.numel(), num_rows=reach, H=H, I=I,
+        stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
+        **lora_args, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages, **(pdl or {}))
     return out
