@@ -36,6 +36,9 @@ between calls). That timing hides host time up to the flush's GPU time: while th
 already launches the call, so host-bound calls read faster there than back to back. Prints only.
 
 ``--shape``: names of ``moelab.roofline.SHAPES`` (comma list) or ``E,K,H,I`` shapes (';' separates them).
+``--layers N``: N layers of their own weights, each call one layer after the other (a model's forward pass, where
+the next layer's weights are not in the L2, so back-to-back calls do not replay warm weights); the graph replays the
+same N calls; every time is per layer.
 """
 
 from __future__ import annotations
@@ -206,17 +209,21 @@ def graph_us(call, calls: int) -> float:
 
 
 def measure(shape: str, T: int, a) -> None:
-    call = make_call(shape, T, a.activation, a.bias, a.lora and [int(r) for r in a.lora.split(",")])
+    layers = [make_call(shape, T, a.activation, a.bias, a.lora and [int(r) for r in a.lora.split(",")])
+              for _ in range(a.layers)]
+    call = layers[0] if a.layers == 1 else lambda: [layer() for layer in layers]
     for _ in range(20):  # first launches: Triton's dispatch (and on a GPU the compile)
         call()
-    n = launches_per_call(call)
+    n = launches_per_call(call) // a.layers
     dispatched = COUNTS["dispatch"]
-    us = host_us(call, a.rounds, a.calls)
+    us = host_us(call, a.rounds, a.calls) / a.layers
     line = (f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {us / max(n, 1):6.1f} µs/launch  ({n} launches")
+    if a.layers > 1:
+        line += f", {a.layers} layers in turn"
     if CUDA:
-        g = graph_us(call, a.calls)
+        g = graph_us(call, a.calls) / a.layers
         line += f"); CUDA graph {g:7.1f} µs/call; eager / graph {us / g:5.2f}"
-        bench = median_us(call, torch.device("cuda"))
+        bench = median_us(call, torch.device("cuda")) / a.layers
         line += f"; the bench's eager timing {bench:7.1f} µs ({bench / g:4.2f}x)"
     else:
         line += f", dispatches {COUNTS['dispatch'] - dispatched} in the timed rounds)"
@@ -238,6 +245,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, help="also N calls under cProfile, by own time")
     p.add_argument("--launches", help="CPU: write what Triton's run was asked to launch to this JSON file")
     p.add_argument("--lora", help="LoRAExperts with one adapter of each rank of this comma list (e.g. 16)")
+    p.add_argument("--layers", type=int, default=1, help="this many layers of their own weights, called in turn "
+                   "(as a model's layers are: on a GPU no layer finds its weights in the L2); µs per layer")
     a = p.parse_args()
     if not CUDA:
         _stub_triton()
