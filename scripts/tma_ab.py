@@ -35,8 +35,12 @@ RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_g
 MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
          "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0)}
-#: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's.
-WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True}}
+#: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's;
+#: "ws-gemm1-tma": GEMM1's weight tiles through TMA on every expert size (TMA_MIN_HI 0) and its K loop warp
+#: specialised, GEMM2's not.
+WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": True, "gemm2": True},
+            "ws-gemm1-tma": {"gemm1": True, "gemm2": False}}
+WS_SETTINGS = {"ws-gemm1-tma": RULE | dict(TMA_MIN_HI=0)}  # the rest run the rule's settings
 
 
 def apply_settings(settings: dict) -> None:
@@ -47,7 +51,7 @@ def apply_settings(settings: dict) -> None:
 
 def _mode(name):
     moe_gemm.WARP_SPECIALIZE.update(WS_MODES.get(name, {"gemm1": False, "gemm2": False}))
-    apply_settings(MODES["rule" if name in WS_MODES else name])
+    apply_settings(WS_SETTINGS.get(name, MODES["rule"]) if name in WS_MODES else MODES[name])
 
 
 def main(argv=None):
