@@ -128,8 +128,10 @@ TMA_MIN_HI_GEMM2 = 0
 #: on every GPU and with the pointer loads too; only the H200 measured it.
 GEMM2_MAX_STAGES = 3
 #: Triton's warp specialisation of the K loop (``tl.range(..., warp_specialize=True)``) on the TMA launches of GEMM1
-#: and GEMM2. Off: on the H200 (scripts/tma_ab.py --ws, a1357e4) it moved Mixtral, DeepSeek-V3 and GPT-OSS-20B at
-#: T = 4096-16384 by -1.1 % to +0.8 %, within the run-to-run spread (BENCHMARKS.md, "TMA loads").
+#: and GEMM2. Off. For sm_90 it changes nothing: Triton 3.6 (the H200's) and 3.9 compile both GEMMs' TMA variants to
+#: byte-identical PTX with and without it (no warp partitions), so the H200 A/Bs of the flag (scripts/tma_ab.py --ws:
+#: -1.1 % to +0.8 %) timed the same kernel twice (BENCHMARKS.md, "Persistent grid, warp specialisation"). It may
+#: partition the loop on GPUs where Triton warp-specialises (not measured here).
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
 
 
