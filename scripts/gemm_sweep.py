@@ -3,6 +3,7 @@ the one config the table gives both?
 
     python scripts/gemm_sweep.py                                  # six shapes, T = 4096, 16384
     python scripts/gemm_sweep.py --shape qwen3-30b-a3b --tokens 1024 --json out.json
+    python scripts/gemm_sweep.py --gemms gemm1 --candidates "64,64,8,3;64,64,8,4"   # other candidates
 
 For each shape and T: the routing of ``K`` distinct uniform experts per token (packed words, bf16 random weights at
 the real size), the segments at the table's ``BLOCK_M`` (``choose_config``), then GEMM1 (``gemm1_swiglu``) and
@@ -91,7 +92,7 @@ def _sweep_point(shape, T, w13, w2, a, smem):
         print(f"| {name} | config | TMA | µs | / table |\n|---|---|---|---|---|\n"
               f"| {name} | {table} | rule | {base:.1f} | 1.000 |", flush=True)
         start, seen = time.time(), set()
-        for cfg in [table] + [GemmConfig(table.block_m, *c) for c in CANDIDATES]:
+        for cfg in [table] + [GemmConfig(table.block_m, *c) for c in a.candidates]:
             cfg = fit_to_shared_memory(cfg, 2, 0, smem)
             for everywhere in (False, True):
                 if time.time() - start > a.budget_s or (cfg, everywhere) in seen:
@@ -128,7 +129,11 @@ def main(argv=None):
     p.add_argument("--gemms", default="gemm1,gemm2")
     p.add_argument("--budget-s", type=float, default=40.0, help="wall-clock budget per (shape, T, GEMM)")
     p.add_argument("--json", default=None)
+    p.add_argument("--candidates", default=None, help="BLOCK_N,BLOCK_K,warps,stages[,group_m] tuples separated by "
+                   "';' instead of CANDIDATES")
     a = p.parse_args(argv)
+    a.candidates = CANDIDATES if a.candidates is None else [
+        tuple(int(v) for v in c.split(",")) for c in a.candidates.split(";") if c.strip()]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     smem = device_limits(dev).shared_memory if dev.type == "cuda" else 232448
     rows = []
