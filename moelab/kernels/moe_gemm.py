@@ -589,6 +589,8 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     if GEMM1_WIDE_TILE is not None and config.block_m >= 128 and lora is None:
         config = replace(config, block_n=GEMM1_WIDE_TILE[0], num_stages=GEMM1_WIDE_TILE[1])
+        if x.is_cuda:  # as few stages as the device's shared memory holds
+            config = fit_to_shared_memory(config, x.element_size(), 0, device_limits(x.device).shared_memory)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
