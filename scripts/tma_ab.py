@@ -31,14 +31,10 @@ from moelab.roofline import get_shape, graphed, median_us
 #: "tma64" (TMA_MIN_BLOCK_M 64, TMA_MIN_HI 0) and "tma16" (16, 0). "rule-a201208": the rule before GEMM2 took TMA on
 #: every expert size (TMA_MIN_HI_GEMM2) and at most GEMM2_MAX_STAGES stages on 128-row tiles.
 RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_gemm.TMA_MIN_HI,
-            TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES,
-            GEMM1_WIDE_TILE=moe_gemm.GEMM1_WIDE_TILE)
+            TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES)
 MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
-         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
-         # GEMM1 at 128 x 2*64 columns, 3 stages on 128-row tiles (moe_gemm.GEMM1_WIDE_TILE), by the rule's loads or
-         # with its weight tiles through TMA on every expert size
-         "g1n64": RULE | dict(GEMM1_WIDE_TILE=(64, 3)), "g1n64-tma": RULE | dict(GEMM1_WIDE_TILE=(64, 3), TMA_MIN_HI=0)}
+         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0)}
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's;
 #: "ws-gemm1-tma": GEMM1's weight tiles through TMA on every expert size (TMA_MIN_HI 0) and its K loop warp
 #: specialised, GEMM2's not.

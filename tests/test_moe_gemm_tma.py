@@ -140,35 +140,3 @@ def test_gemm2_stages_are_capped_on_128_row_tiles(block_m, gemm2_stages, device,
     assert (stages1, stages2) == ([4], [gemm2_stages])
     ref = reference.routed_moe(ids, w, x, w13, w2)
     assert_close_to_reference(out, ref["output"], dtype, f"{block_m}-row tiles")
-
-
-class _TileSpy(_StagesSpy):
-    """Records each launch's (BLOCK_N, num_stages)."""
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def call(*args, **kwargs):
-            self.seen.append((kwargs["BLOCK_N"], kwargs["num_stages"]))
-            return launch(*args, **kwargs)
-        return call
-
-
-@pytest.mark.parametrize("wide_tile", [None, (16, 2)], ids=["bucket-tile", "own-tile"])
-def test_gemm1_wide_tile_on_128_row_tiles(wide_tile, device, monkeypatch):
-    """``GEMM1_WIDE_TILE`` gives GEMM1 its own BLOCK_N and stages on 128-row tiles (GEMM2 keeps the config's), and
-    the output stays right: bit for bit the bucket tile's in the interpreter."""
-    T, K, E, H, I, dtype = 40, 4, 4, 64, 48, torch.float32
-    x, ids, w, w13, w2, W = routed_problem(T, K, E, H, I, dtype, seed=17, device=device)
-    config = GemmConfig(128, 32, 32, 4, 4)
-    expected = routed_on_tiles(config, x, ids, w, W, E, K)[0]
-    tiles1, tiles2 = [], []
-    monkeypatch.setattr(moe_gemm, "GEMM1_WIDE_TILE", wide_tile)
-    monkeypatch.setattr(moe_gemm, "_gemm1_swiglu_kernel", _TileSpy(moe_gemm._gemm1_swiglu_kernel, tiles1))
-    monkeypatch.setattr(moe_gemm, "_gemm2_kernel", _TileSpy(moe_gemm._gemm2_kernel, tiles2))
-    out = routed_on_tiles(config, x, ids, w, W, E, K)[0]
-    assert tiles1 == [wide_tile or (32, 4)], "GEMM1's tile"
-    assert tiles2 == [(32, moe_gemm.GEMM2_MAX_STAGES)], "GEMM2 keeps the config's BLOCK_N"
-    assert_close_to_reference(out, reference.routed_moe(ids, w, x, w13, w2)["output"], dtype, f"GEMM1 {wide_tile}")
-    if device.type == "cpu":
-        assert torch.equal(out, expected)

@@ -133,9 +133,6 @@ GEMM2_MAX_STAGES = 3
 #: -1.1 % to +0.8 %) timed the same kernel twice (BENCHMARKS.md, "Persistent grid, warp specialisation"). It may
 #: partition the loop on GPUs where Triton warp-specialises (not measured here).
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
-#: GEMM1's own (BLOCK_N, num_stages) on tiles of 128 rows or more without a fused LoRA bank (None: the bucket's).
-#: A measurement switch (scripts/tma_ab.py modes "g1n64*"): at 128 x 2*64 columns GEMM1 holds half the accumulators.
-GEMM1_WIDE_TILE: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -587,10 +584,6 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
-    if GEMM1_WIDE_TILE is not None and config.block_m >= 128 and lora is None:
-        config = replace(config, block_n=GEMM1_WIDE_TILE[0], num_stages=GEMM1_WIDE_TILE[1])
-        if x.is_cuda:  # as few stages as the device's shared memory holds
-            config = fit_to_shared_memory(config, x.element_size(), 0, device_limits(x.device).shared_memory)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
