@@ -140,6 +140,24 @@ def median_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: floa
     return statistics.median(times) * 1e6
 
 
+def back_to_back_us(fn: Callable[[], object], device: torch.device, *, calls: int = 50, rounds: int = 3) -> float:
+    """µs per call of ``fn`` called ``calls`` times back to back, one synchronize per round, best of ``rounds``; no
+    L2 flush. What a caller that issues one call after another (a model's layers) waits per call: the host's time
+    where it exceeds the GPU's. :func:`median_us` hides host time up to its L2 flush's GPU time (the host launches
+    the call while the GPU clears the flush buffer), so eager calls at decode sizes read faster there."""
+    best = float("inf")
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
 def graphed(fn: Callable[[], object], device: torch.device, *, capture_error_mode: str = "global"):
     """``fn`` captured in a CUDA graph after two warm-up calls on a side stream (as ``torch.cuda.graph`` asks): a
     function of no arguments that replays it, its captured output at ``.out``. ``capture_error_mode``: that of

@@ -270,6 +270,11 @@ def test_markdown_eager_over_graph():
     assert "| T | moelab triton |" in table and "| 1 | 3.00 |" in table and "| 32 | 1.20 |" in table
     assert "naive" not in table  # measured eagerly only
     assert "eager / [graph]" not in bench.markdown({"rows": rows[2:3]})
+    assert "back to back" not in md  # no back_to_back_us in these rows
+    rows[0]["back_to_back_us"], rows[1]["back_to_back_us"] = 105.0, 35.0
+    b2b = bench.markdown({"rows": rows})
+    b2b = b2b[b2b.index("calls back to back"):]
+    assert "| 1 | moelab triton | 105.0 | 35.0 | 3.00 |" in b2b, b2b
 
 
 def test_tiny_expert_options(tmp_path):

@@ -25,7 +25,11 @@ What one run does, on a CUDA GPU:
    tokens compared with the reference (``||out - ref|| / ||ref||`` under 1e-2 for moelab, 2e-2 for peers) and
    every element of its output finite; the peak memory one eager call allocates
    (``torch.cuda.max_memory_allocated``, reset before the call, minus what was allocated before it); then the
-   median time over calls that rotate through the sets. A broken peer records its error and the run goes on.
+   median time over calls that rotate through the sets (``do_bench``: an L2 flush before each). For moelab's rows
+   up to ``--graph-max-t`` on a GPU also the same calls back to back (``moelab.roofline.back_to_back_us``: 50
+   calls, one synchronize, best of 3 rounds, no flush). The median hides host time up to the flush's GPU time (the
+   host launches the call while the GPU clears the flush buffer); back to back, a host-bound eager call shows its
+   host time. The report gives eager / [graph] both ways. A broken peer records its error and the run goes on.
 3. Each row is printed as it is measured, beside the roofline (``moelab.roofline.roofline``: touched experts'
    weight bytes + activations over the measured copy bandwidth, ``6*T*K*H*I`` FLOPs over the measured matmul
    rate, the larger wins), and written to ``--out`` (JSON, rewritten after every row; default

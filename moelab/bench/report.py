@@ -115,6 +115,16 @@ def _eager_over_graph(mode: str, shape: str, routing: str, rs: list[dict]) -> li
         vals = [_fmt(us[(T, v, c)] / us[(T, v, c + " [graph]")], 2) if (T, v, c) in us
                 and (T, v, c + " [graph]") in us else "" for c in cols]
         lines.append(f"| {T} | " + (f"{v} | " if mode == "lora" else "") + " | ".join(vals) + " |")
+    b2b = {(r["T"], r.get("variant", "none"), r["impl"]): r["back_to_back_us"] for r in rs if "back_to_back_us" in r}
+    b2b_pairs = [(T, v, c) for T, v, c in pairs if (T, v, c) in b2b and (T, v, c + " [graph]") in b2b]
+    if b2b_pairs:  # the same calls one after another, one synchronize per round (roofline.back_to_back_us)
+        head = "| T | " + ("LoRA | " if mode == "lora" else "") + "impl | eager µs | [graph] µs | eager / [graph] |"
+        lines += ["", f"**{mode}: {shape}, {routing} routing, bf16: eager / [graph] time, calls back to back**", "",
+                  head, "|" + "---|" * (head.count("|") - 1)]
+        for T, v, c in b2b_pairs:
+            e, g = b2b[(T, v, c)], b2b[(T, v, c + " [graph]")]
+            lines.append(f"| {T} | " + (f"{v} | " if mode == "lora" else "") + f"{c} | {_fmt(e, 1)} | {_fmt(g, 1)} | "
+                         f"{_fmt(e / g, 2)} |")
     return lines
 
 
