@@ -290,3 +290,15 @@ def test_tiny_expert_options(tmp_path):
     assert bench.failures(res) == []
     with pytest.raises(SystemExit):
         bench.cli.build_parser().parse_args(["--activation", "relu2"])
+
+
+def test_back_to_back_us_is_the_time_per_call():
+    """``roofline.back_to_back_us``: every call made, the best round's wall time divided by its calls."""
+    import time
+
+    from moelab.roofline import back_to_back_us
+
+    calls = []
+    us = back_to_back_us(lambda: calls.append(time.sleep(0.002)), torch.device("cpu"), calls=5, rounds=2)
+    assert len(calls) == 10
+    assert 2000 <= us < 20000, us  # each call sleeps 2 ms
