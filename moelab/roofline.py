@@ -142,9 +142,9 @@ def median_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: floa
 
 def back_to_back_us(fn: Callable[[], object], device: torch.device, *, calls: int = 50, rounds: int = 3) -> float:
     """µs per call of ``fn`` called ``calls`` times back to back, one synchronize per round, best of ``rounds``; no
-    L2 flush. What a caller that issues one call after another (a model's layers) waits per call: the host's time
-    where it exceeds the GPU's. :func:`median_us` hides host time up to its L2 flush's GPU time (the host launches
-    the call while the GPU clears the flush buffer), so eager calls at decode sizes read faster there."""
+    L2 flush (the same weights every call, so small experts may stay in the L2; ``scripts/host_cost.py --layers``
+    calls layers of their own). The host's time shows where it exceeds the GPU's. :func:`median_us` hides host time
+    up to its L2 flush's GPU time (the host launches the call while the GPU clears the flush buffer)."""
     best = float("inf")
     for _ in range(rounds):
         if device.type == "cuda":

@@ -49,7 +49,6 @@ import json
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -61,7 +60,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # this tree's moelab,
 
 import moelab  # noqa: E402
 from moelab.bench.cli import _split_shapes  # noqa: E402
-from moelab.roofline import get_shape, median_us  # noqa: E402
+from moelab.roofline import back_to_back_us, get_shape, median_us  # noqa: E402
 
 #: What the stubbed Triton saw: first launches of a signature (``dispatch``) and stubbed compiled launches.
 COUNTS = {"dispatch": 0, "launch": 0}
@@ -173,17 +172,7 @@ def launches_per_call(call) -> int:
 
 def host_us(call, rounds: int, calls: int) -> float:
     """Best round's µs per call (``calls`` back to back; on a GPU one synchronize after each round)."""
-    best = float("inf")
-    for _ in range(rounds):
-        if CUDA:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        if CUDA:
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    return back_to_back_us(call, torch.device("cuda" if CUDA else "cpu"), calls=calls, rounds=rounds)
 
 
 def graph_us(call, calls: int) -> float:
