@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from moelab import _runtime
-from moelab.backends import lora_flow
+from moelab.backends import eager_graphs, lora_flow
 from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.kernels import fused_lora
 from moelab.kernels.finalize import finalize_triton
@@ -334,6 +334,8 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None, token_majo
     ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``. A few slots take the
     token-major path (:func:`takes_token_major`) unless ``config`` names the tiles or ``token_major`` is False."""
     W = call.weights
+    if token_major and config is None and eager_graphs.takes(call):  # a decode call: one graph replay
+        return RoutedMoEResult(eager_graphs.run(call, _graph_pipeline), None, None, None)
     routing = call.packed if call.packed is not None else call.topk_ids
     weights = None if call.packed is not None else call.expert_weights.contiguous()  # the kernel's stride is 1
     args = (routing, weights, call.hidden_states, W.gemm1_weights, W.gemm2_weights,
@@ -348,6 +350,15 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None, token_majo
         output, gemm2, e2p, act = _pipeline(*args, output=call.output, config=config, expert=_expert_options(W),
                                             **options)
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
+
+
+def _graph_pipeline(routing: torch.Tensor, weights: torch.Tensor | None, x: torch.Tensor,
+                    call: RoutedMoECall) -> tuple[torch.Tensor, ...]:
+    """``call``'s pipeline on these inputs (the buffers ``eager_graphs`` captures it over), output allocated."""
+    W = call.weights
+    return _pipeline(routing, weights, x, W.gemm1_weights, W.gemm2_weights, call.num_experts,
+                     call.local_expert_offset, None, True, expert=_expert_options(W), w13_bias=W.gemm1_bias,
+                     w2_bias=W.gemm2_bias, weight_on_input=call.apply_router_weight_on_input, token_major=True)
 
 
 def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:

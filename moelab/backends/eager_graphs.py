@@ -1,0 +1,140 @@
+"""Eager decode calls of the triton backend replayed from CUDA graphs captured on their first call.
+
+At decode sizes an eager ``routed_moe`` call is host-bound: its launches cost the host more than the GPU's work
+(moelab's Python, Triton's dispatch and launcher, ``scripts/host_time.py``). A graph replay costs the host one
+``cudaGraphLaunch``. So an eager call of at most ``MAX_TOKENS`` tokens that asks for the output only runs as
+
+    static_x.copy_(x); static_routing.copy_(routing)     two copies into the graph's input buffers
+    graph.replay()                                        the pipeline, as a caller's own CUDA graph runs it
+    out = static_out.clone()  (or output.copy_(...))      the caller gets a tensor of its own
+
+The first call of each key captures the graph (its kernels compile in the capture, as under any capture) and
+replays it, so every call of a key, the first included, computes the same bits: those of the pipeline in a CUDA
+graph (the tiled GEMMs chained by PDL, or the token-major ones where ``takes_token_major`` says so while
+capturing), which agree with the eager kernels to rounding only.
+
+The key is everything the captured launches read by address or by value: the current stream (graphs of one
+stream share one memory pool, and a stream runs its replays one after the other, so their intermediates may share
+memory), T, the routing's kind and dtypes, ``num_experts``, ``top_k``, ``local_expert_offset``, the router weight
+on the input, the expert options, and each weight and bias tensor's address, shape and dtype. A replay reads the
+weights where the key says they are, so a call whose weights live there reads its own weights; weights updated in
+place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the oldest goes) or :func:`clear`.
+Each holds its static buffers (T x H inputs and output) and its share of the pool.
+
+Not taken (the call runs its launches as before): T above ``MAX_TOKENS`` or 0, an ``output`` not asked for
+alone (``do_finalize=False`` or a delta: the permuted intermediates would be the graph's), a tile ``config``
+forced, CPU tensors, a tensor on a device other than the current one, while a graph is captured or
+``torch.compile`` traces, inputs that require grad, inference mode switched since the capture (part of the key),
+and ``MOELAB_EAGER_GRAPHS=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from moelab.contract import RoutedMoECall
+
+__all__ = ["takes", "run", "clear", "held", "MAX_TOKENS", "MAX_GRAPHS"]
+
+#: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
+ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
+#: Largest T replayed from a graph (calls above run their launches eagerly).
+MAX_TOKENS = 32
+#: Graphs held at once (the oldest goes first).
+MAX_GRAPHS = 512
+
+_graphs: dict[tuple, _Entry] = {}
+_pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
+_side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
+
+
+class _Entry:
+    """One captured call: its graph, the input buffers the replay reads and the output buffer it writes."""
+
+    __slots__ = ("graph", "x", "routing", "weights", "out")
+
+    def __init__(self, graph, x, routing, weights, out):
+        self.graph, self.x, self.routing, self.weights, self.out = graph, x, routing, weights, out
+
+
+def takes(call: RoutedMoECall) -> bool:
+    """Whether ``call`` runs as a graph replay (module docstring: what is not taken)."""
+    x = call.hidden_states
+    if not (ENABLED and x.is_cuda and call.do_finalize and call.gemm1_lora_delta is None
+            and 0 < x.shape[0] <= MAX_TOKENS and not x.requires_grad):
+        return False
+    if call.packed is None and (call.topk[1].requires_grad or not call.topk[0].is_cuda):
+        return False
+    if call.output is not None and call.output.requires_grad:
+        return False
+    return (x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling())
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
+    """``call``'s output from its key's graph (captured now if new). ``pipeline(routing, expert_weights, x, call)``
+    runs the call's launches on those inputs and returns its output first (``triton_backend._pipeline``)."""
+    x, W = call.hidden_states, call.weights
+    stream = torch.cuda.current_stream(x.device)
+    if call.packed is not None:
+        routing, weights = call.packed, None
+        routing_kind = None
+    else:
+        routing, weights = call.topk
+        routing_kind = (routing.dtype, weights.dtype)
+    key = (stream.cuda_stream, x.shape, x.dtype, routing_kind, call.num_experts, call.top_k,
+           call.local_expert_offset, call.apply_router_weight_on_input, W.activation, W.gated, W.swiglu_alpha,
+           W.swiglu_limit, torch.is_inference_mode_enabled(), _tensor_key(W.gemm1_weights),
+           _tensor_key(W.gemm2_weights), _tensor_key(W.gemm1_bias), _tensor_key(W.gemm2_bias))
+    entry = _graphs.get(key)
+    if entry is None:
+        entry = _capture(call, routing, weights, stream, pipeline)
+        if len(_graphs) >= MAX_GRAPHS:
+            del _graphs[next(iter(_graphs))]
+        _graphs[key] = entry
+    entry.x.copy_(x)
+    entry.routing.copy_(routing)
+    if weights is not None:
+        entry.weights.copy_(weights)
+    entry.graph.replay()
+    return entry.out.clone() if call.output is None else call.output.copy_(entry.out)
+
+
+def _capture(call: RoutedMoECall, routing: torch.Tensor, weights: torch.Tensor | None,
+             stream: torch.cuda.Stream, pipeline: Callable[..., tuple]) -> _Entry:
+    """The call's graph over input buffers of its own (int32 ids, contiguous weights, as the pipeline reads them)."""
+    x = call.hidden_states
+    device = x.device
+    static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    static_routing = torch.empty(routing.shape, dtype=torch.int32, device=device)
+    static_weights = None if weights is None else torch.empty(weights.shape, dtype=weights.dtype, device=device)
+    if device.index not in _side_streams:
+        _side_streams[device.index] = torch.cuda.Stream(device)
+    if stream.cuda_stream not in _pools:
+        _pools[stream.cuda_stream] = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    # the outer stream context puts the caller's stream back even when the capture's end raises; "thread_local":
+    # other threads (NCCL's watchdog polls CUDA events) go on while this one captures
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
+                                                     stream=_side_streams[device.index],
+                                                     capture_error_mode="thread_local"):
+        out = pipeline(static_routing, static_weights, static_x, call)[0]
+    return _Entry(graph, static_x, static_routing, static_weights, out)
+
+
+def clear() -> None:
+    """Drop every captured graph and its buffers (their memory returns to torch's allocator)."""
+    _graphs.clear()
+    _pools.clear()
+
+
+def held() -> int:
+    """How many graphs are held now."""
+    return len(_graphs)

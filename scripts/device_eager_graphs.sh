@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Eager decode calls replayed from CUDA graphs (moelab/backends/eager_graphs.py), one H200 call:
+#   1. the GPU test suite (every eager call of T <= 32 on the GPU now replays a graph)                  <= 300 s
+#   2. scripts/host_cost.py back to back, four layers in turn, T = 1, 8 and 32 on seven shapes, with the graph
+#      replays (MOELAB_EAGER_GRAPHS=1) and without them (=0, the launches as before), one after the other   <= 200 s
+#   3. what the first call of a key costs (its capture) against the calls after it                          <= 30 s
+# From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_eager_graphs.sh", timeout_s=590).
+# Files: env.txt, tests.log, host_graphs.txt, host_launches.txt, capture.txt.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
+OUT=${OUT:-build/device_eager_graphs}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"  # el, gpu_tests, $OUT/env.txt
+el "GPU tests"
+FILES=$(ls tests/test_*.py | grep -vE "test_(browser|notebooks|docs|faults)\.py")
+gpu_tests ${SUITE_S:-300} $FILES
+SHAPES="qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408;128,8,4096,1536"
+for on in 1 0; do
+  name=$([ $on = 1 ] && echo host_graphs || echo host_launches)
+  el "host cost, MOELAB_EAGER_GRAPHS=$on"
+  MOELAB_EAGER_GRAPHS=$on timeout -s INT 100 python3 scripts/host_cost.py --rounds 5 --calls 50 --tokens 1,8,32 \
+    --layers 4 --shape "$SHAPES" 2>&1 | tee "$OUT/$name.txt" | grep -v "^moelab"
+done
+el "capture cost"
+timeout -s INT 30 python3 - <<'PY' 2>&1 | tee "$OUT/capture.txt"
+import time, torch, moelab
+from moelab.roofline import get_shape
+from moelab.backends import eager_graphs
+for name in ("qwen3-30b-a3b", "mixtral"):
+    s = get_shape(name)
+    w13 = torch.randn(s.E, 2 * s.I, s.H, device="cuda", dtype=torch.bfloat16) / s.H**0.5
+    w2 = torch.randn(s.E, s.H, s.I, device="cuda", dtype=torch.bfloat16) / s.I**0.5
+    W = moelab.prepare_weights(w13, w2, backend="triton")
+    for T in (1, 1, 8, 32):  # the second T = 1 is a first call again after clear(): kernels compiled, capture only
+        if T == 1:
+            eager_graphs.clear()
+        x = torch.randn(T, s.H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(T, s.E, device="cuda").argsort(dim=1)[:, :s.K].int()
+        packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, s.K, device="cuda"))
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            moelab.routed_moe(packed, x, W, num_experts=s.E, top_k=s.K, validate=False)
+            torch.cuda.synchronize(); times.append((time.perf_counter() - t0) * 1e3)
+        print(f"{name:15s} T={T:<3d} first call {times[0]:8.2f} ms, then {min(times[1:]) * 1e3:7.1f} µs "
+              f"(synchronized); graphs held {eager_graphs.held()}, "
+              f"allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB")
+PY
+el done

@@ -1,0 +1,177 @@
+"""Eager decode calls replayed from CUDA graphs (``moelab/backends/eager_graphs.py``): every replay against the
+float64 reference with fresh inputs, every element of the output written, outputs of their own, one graph per key.
+
+The replays need a CUDA GPU (the lent H200 runs them); on a CPU only the rule that nothing is replayed there runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_to_reference, poison, random_experts, random_topk_ids, random_weights
+
+import moelab
+from moelab import reference
+from moelab.backends import eager_graphs, triton_backend
+from moelab.contract import RoutedMoECall
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-graph replays need a CUDA GPU (runs on the H200)")
+T, K, E, H, I = 4, 2, 8, 64, 32
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """A cache of its own for the test, on (a CPU box leaves it off: nothing is taken there anyway)."""
+    monkeypatch.setattr(eager_graphs, "ENABLED", True)
+    monkeypatch.setattr(eager_graphs, "_graphs", {})
+    monkeypatch.setattr(eager_graphs, "_pools", {})
+    return eager_graphs._graphs
+
+
+def _inputs(seed, T=T, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16().to(device)
+    ids = random_topk_ids(T, K, E, generator=g, device=device)
+    w = random_weights(T, K, generator=g, device=device)
+    return x, ids, w
+
+
+def _weights(seed, device="cuda"):
+    torch.manual_seed(seed)
+    w13, w2 = random_experts(E, H, I, torch.bfloat16, device=device)
+    return w13, w2, moelab.prepare_weights(w13, w2, backend="triton")
+
+
+def _reference(x, ids, w, w13, w2, packed=True):
+    w = reference.bf16_round(w) if packed else w  # packed words carry bf16(w)
+    return reference.routed_moe(ids, w, x, w13, w2)["output"]
+
+
+def test_nothing_is_replayed_on_a_cpu(graphs):
+    x, ids, w = _inputs(0, device="cpu")
+    _, _, W = _weights(0, device="cpu")
+    call = RoutedMoECall((ids, w), None, x, W, E, K, 0, None, True, None)
+    assert not eager_graphs.takes(call)
+
+
+@needs_cuda
+@pytest.mark.parametrize("routing", ["packed", "tuple"])
+def test_replays_match_the_reference_with_fresh_inputs_and_write_every_element(graphs, routing):
+    w13, w2, W = _weights(0)
+    outs = []
+    for seed in range(4):  # the first call captures, the others replay
+        x, ids, w = _inputs(seed)
+        if routing == "packed":
+            topk = moelab.pack_topk_ids_weights(ids, w)
+        else:
+            topk = (ids.long(), w)  # int64 ids: the graph's int32 buffer takes them as the pipeline would
+        if graphs:
+            poison(next(iter(graphs.values())).out)  # the replay must write every element of its output
+        (out,) = moelab.routed_moe(topk, x, W, num_experts=E, top_k=K, validate=False)
+        assert len(graphs) == 1
+        assert_close_to_reference(out, _reference(x, ids, w, w13, w2, routing == "packed"), torch.bfloat16,
+                                  f"call {seed}")
+        outs.append((out, out.clone(), x, ids, w))
+    for out, kept, *_ in outs:  # every call got a tensor of its own: later replays left it alone
+        assert torch.equal(out, kept)
+        assert out.data_ptr() != next(iter(graphs.values())).out.data_ptr()
+
+
+@needs_cuda
+def test_the_first_call_computes_the_bits_of_every_later_one(graphs):
+    _, _, W = _weights(0)
+    x, ids, w = _inputs(1)
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    first = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    again = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    assert torch.equal(first, again)
+
+
+@needs_cuda
+def test_output_argument_is_written_in_place(graphs):
+    w13, w2, W = _weights(0)
+    for seed in range(2):
+        x, ids, w = _inputs(seed)
+        out = poison(torch.empty_like(x))
+        got = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, W, num_experts=E, top_k=K, output=out,
+                                validate=False)[0]
+        assert got is out
+        assert_close_to_reference(out, _reference(x, ids, w, w13, w2), torch.bfloat16, f"call {seed}")
+
+
+@needs_cuda
+def test_each_weights_and_each_size_get_their_own_graph_and_in_place_updates_are_read(graphs):
+    a13, a2, A = _weights(0)
+    b13, b2, B = _weights(1)
+    for n_tokens, (w13, w2, W) in [(4, (a13, a2, A)), (4, (b13, b2, B)), (1, (a13, a2, A)), (4, (a13, a2, A))]:
+        x, ids, w = _inputs(n_tokens, T=n_tokens)
+        out = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, W, num_experts=E, top_k=K,
+                                validate=False)[0]
+        assert_close_to_reference(out, _reference(x, ids, w, w13, w2), torch.bfloat16, f"T={n_tokens}")
+    assert len(graphs) == 3
+    a13.mul_(-0.5)  # the graph reads the weights where they live: an update in place is read
+    x, ids, w = _inputs(9)
+    out = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, A, num_experts=E, top_k=K, validate=False)[0]
+    assert_close_to_reference(out, _reference(x, ids, w, a13, a2), torch.bfloat16, "updated weights")
+    assert len(graphs) == 3
+
+
+@needs_cuda
+def test_a_side_stream_gets_its_own_graph(graphs):
+    w13, w2, W = _weights(0)
+    x, ids, w = _inputs(0)
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    main = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(graphs) == 2
+    assert torch.equal(main, on_side)
+
+
+@needs_cuda
+def test_not_taken_above_max_tokens_while_capturing_or_off(graphs, monkeypatch):
+    w13, w2, W = _weights(0)
+    x, ids, w = _inputs(0, T=eager_graphs.MAX_TOKENS + 1)
+    out = moelab.routed_moe((ids, w), x, W, num_experts=E, top_k=K, validate=False)[0]
+    assert_close_to_reference(out, _reference(x, ids, w, w13, w2, packed=False), torch.bfloat16, "T > MAX_TOKENS")
+    x, ids, w = _inputs(0)
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)  # compiles the eager kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the caller's own capture holds the kernels, not a replay of another graph
+        captured = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    assert len(graphs) == 1
+    poison(captured)
+    graph.replay()
+    assert_close_to_reference(captured, _reference(x, ids, w, w13, w2), torch.bfloat16, "caller's graph")
+    monkeypatch.setattr(eager_graphs, "ENABLED", False)
+    x, ids, w = _inputs(1, T=2)
+    out = moelab.routed_moe((ids, w), x, W, num_experts=E, top_k=K, validate=False)[0]
+    assert len(graphs) == 1
+    assert_close_to_reference(out, _reference(x, ids, w, w13, w2, packed=False), torch.bfloat16, "off")
+
+
+@needs_cuda
+def test_the_oldest_graph_goes_past_max_graphs(graphs, monkeypatch):
+    monkeypatch.setattr(eager_graphs, "MAX_GRAPHS", 2)
+    w13, w2, W = _weights(0)
+    for n_tokens in (1, 2, 3, 1):
+        x, ids, w = _inputs(n_tokens, T=n_tokens)
+        out = moelab.routed_moe((ids, w), x, W, num_experts=E, top_k=K, validate=False)[0]
+        assert_close_to_reference(out, _reference(x, ids, w, w13, w2, packed=False), torch.bfloat16, f"T={n_tokens}")
+    assert [key[1][0] for key in graphs] == [3, 1]  # T = 2 went, then the first T = 1 (re-captured last)
+
+
+@needs_cuda
+def test_backend_keeps_the_launches_for_a_forced_tile_config(graphs):
+    _, _, W = _weights(0)
+    x, ids, w = _inputs(0)
+    from moelab.kernels.moe_gemm import choose_config
+
+    call = RoutedMoECall((ids, w), None, x, W, E, K, 0, None, True, None)
+    triton_backend.routed_moe(call, config=choose_config(T, K, E, x.dtype))
+    assert not graphs
