@@ -19,6 +19,17 @@ only), which splits the call into:
 
 Medians over the calls, µs. A second pass times the same calls without the wrappers (the wrappers' own cost is
 the difference). Writes nothing; print only.
+
+Where the call replays a CUDA graph instead (``moelab/backends/eager_graphs.py``: no Triton launch to time), the
+split is by the Python functions it passes through, each timed from entry to return:
+
+    validate    ``moelab.moe.validate_call``: the argument checks and the call's bundle
+    takes       ``eager_graphs.takes``: whether the call replays a graph
+    key         ``eager_graphs.key``: the graph's key
+    copies      ``Tensor.copy_`` into the graph's input buffers (and into ``output`` where given)
+    replay      ``CUDAGraph.replay``
+    clone       ``Tensor.clone`` of the graph's output
+    other       the rest: ``routed_moe``'s frames, the backend lookup, the dict lookup of the graph
 """
 
 from __future__ import annotations
@@ -84,6 +95,45 @@ def _instrument():
     return events, undo
 
 
+def _instrument_graphs():
+    """Wrap the functions a graph replay passes through (module docstring) so each adds its time to the returned
+    dict; returns (times, undo)."""
+    from moelab import moe
+    from moelab.backends import eager_graphs
+
+    times: dict[str, float] = {}
+    clock = time.perf_counter
+    patched = []
+
+    def wrap(owner, attr, phase):
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            out = fn(*args, **kwargs)
+            times[phase] = times.get(phase, 0.0) + clock() - t0
+            return out
+
+        setattr(owner, attr, timed)
+        patched.append((owner, attr, fn))
+
+    wrap(moe, "validate_call", "validate")
+    wrap(eager_graphs, "takes", "takes")
+    wrap(eager_graphs, "key", "key")
+    wrap(torch.Tensor, "copy_", "copies")
+    wrap(torch.cuda.CUDAGraph, "replay", "replay")
+    wrap(torch.Tensor, "clone", "clone")
+
+    def undo():
+        for owner, attr, fn in reversed(patched):
+            setattr(owner, attr, fn)
+
+    return times, undo
+
+
+GRAPH_PHASES = ("validate", "takes", "key", "copies", "replay", "clone")
+
+
 def _split(events: list, start: float, end: float) -> dict:
     """Phases of one call from its events (see the module docstring), µs; ``launches`` the kernels in order."""
     moelab_us = dispatch_us = launch_us = 0.0
@@ -123,6 +173,8 @@ def _split(events: list, start: float, end: float) -> dict:
 
 
 def measure(shape: str, T: int, calls: int) -> None:
+    from moelab.backends import eager_graphs
+    eager_graphs.clear()  # held() > 0 after the warm-up: the calls replay a graph
     s = SHAPES[shape]
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -155,6 +207,9 @@ def measure(shape: str, T: int, calls: int) -> None:
         call()
         plain.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
+    if eager_graphs.held():  # the calls replay a graph: split them by the functions they pass through
+        _graph_split(shape, T, call, calls, plain, gpu)
+        return
     events, undo = _instrument()
     rows = []
     try:
@@ -174,6 +229,29 @@ def measure(shape: str, T: int, calls: int) -> None:
           f"Triton dispatch {med['dispatch']:.1f} + launcher {med['launch']:.1f}; {len(launches)} launches "
           f"({', '.join(n.lstrip('_') for n in launches)}); GPU, one idle call: {statistics.median(gpu):.1f} µs",
           flush=True)
+
+
+def _graph_split(shape: str, T: int, call, calls: int, plain: list[float], gpu: list[float]) -> None:
+    times, undo = _instrument_graphs()
+    rows = []
+    try:
+        for _ in range(calls):
+            times.clear()
+            t0 = time.perf_counter()
+            call()
+            total = time.perf_counter() - t0
+            row = {k: times.get(k, 0.0) * 1e6 for k in GRAPH_PHASES}
+            row["other"] = total * 1e6 - sum(row.values())
+            row["total"] = total * 1e6
+            rows.append(row)
+    finally:
+        undo()
+    torch.cuda.synchronize()
+    med = {k: statistics.median(r[k] for r in rows) for k in (*GRAPH_PHASES, "other", "total")}
+    print(f"{shape:15s} T={T:<5d} host {statistics.median(plain):7.1f} µs/call (p10 {_pct(plain, 10):.1f}, "
+          f"p90 {_pct(plain, 90):.1f}), a graph replay; instrumented {med['total']:.1f} = "
+          + " + ".join(f"{k} {med[k]:.1f}" for k in (*GRAPH_PHASES, "other"))
+          + f"; GPU, one idle call: {statistics.median(gpu):.1f} µs", flush=True)
 
 
 def _pct(values: list[float], p: int) -> float:

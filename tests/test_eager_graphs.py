@@ -48,11 +48,25 @@ def _reference(x, ids, w, w13, w2, packed=True):
     return reference.routed_moe(ids, w, x, w13, w2)["output"]
 
 
+def _call(x, ids, w, W):
+    return RoutedMoECall((ids, w), None, x, W, E, K, 0, None, True, None)
+
+
 def test_nothing_is_replayed_on_a_cpu(graphs):
     x, ids, w = _inputs(0, device="cpu")
-    _, _, W = _weights(0, device="cpu")
-    call = RoutedMoECall((ids, w), None, x, W, E, K, 0, None, True, None)
-    assert not eager_graphs.takes(call)
+    w13, w2 = random_experts(E, H, I, torch.bfloat16)
+    assert not eager_graphs.takes(_call(x, ids, w, moelab.prepare_weights(w13, w2, backend="torch")), 0)
+
+
+@needs_cuda
+def test_taken_up_to_max_tokens_and_max_bytes_of_touched_experts(graphs):
+    _, _, W = _weights(0)
+    x, ids, w = _inputs(0)
+    touched = min(T * K, E)
+    assert eager_graphs.takes(_call(x, ids, w, W), eager_graphs.MAX_BYTES // touched)
+    assert not eager_graphs.takes(_call(x, ids, w, W), eager_graphs.MAX_BYTES // touched + 1)
+    x, ids, w = _inputs(0, T=eager_graphs.MAX_TOKENS + 1)
+    assert not eager_graphs.takes(_call(x, ids, w, W), 1)
 
 
 @needs_cuda
@@ -172,6 +186,5 @@ def test_backend_keeps_the_launches_for_a_forced_tile_config(graphs):
     x, ids, w = _inputs(0)
     from moelab.kernels.moe_gemm import choose_config
 
-    call = RoutedMoECall((ids, w), None, x, W, E, K, 0, None, True, None)
-    triton_backend.routed_moe(call, config=choose_config(T, K, E, x.dtype))
+    triton_backend.routed_moe(_call(x, ids, w, W), config=choose_config(T, K, E, x.dtype))
     assert not graphs

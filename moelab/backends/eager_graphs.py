@@ -37,12 +37,15 @@ import torch
 
 from moelab.contract import RoutedMoECall
 
-__all__ = ["takes", "run", "clear", "held", "MAX_TOKENS", "MAX_GRAPHS"]
+__all__ = ["takes", "key", "run", "clear", "held", "MAX_TOKENS", "MAX_BYTES", "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
 #: Largest T replayed from a graph (calls above run their launches eagerly).
 MAX_TOKENS = 32
+#: Largest bytes of touched experts (min(T*K, E_local) experts) replayed from a graph: above, the GPU's work
+#: outlasts the launches' host time, and the replay's three copies only add to it (the measurements above).
+MAX_BYTES = 128 * 2**20
 #: Graphs held at once (the oldest goes first).
 MAX_GRAPHS = 512
 
@@ -60,45 +63,50 @@ class _Entry:
         self.graph, self.x, self.routing, self.weights, self.out = graph, x, routing, weights, out
 
 
-def takes(call: RoutedMoECall) -> bool:
-    """Whether ``call`` runs as a graph replay (module docstring: what is not taken)."""
+def takes(call: RoutedMoECall, expert_bytes: int) -> bool:
+    """Whether ``call`` (experts of ``expert_bytes`` each) runs as a graph replay (module docstring)."""
+    if not ENABLED or torch.compiler.is_compiling():
+        return False
     x = call.hidden_states
-    if not (ENABLED and x.is_cuda and call.do_finalize and call.gemm1_lora_delta is None
-            and 0 < x.shape[0] <= MAX_TOKENS and not x.requires_grad):
+    T = x.shape[0]
+    if not (x.is_cuda and call.do_finalize and call.gemm1_lora_delta is None and 0 < T <= MAX_TOKENS
+            and min(T * call.top_k, call.weights.num_local_experts) * expert_bytes <= MAX_BYTES
+            and not x.requires_grad):
         return False
     if call.packed is None and (call.topk[1].requires_grad or not call.topk[0].is_cuda):
         return False
     if call.output is not None and call.output.requires_grad:
         return False
-    return (x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
-            and not torch.compiler.is_compiling())
+    return x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
 
 
 def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
+def key(call: RoutedMoECall, stream: torch.cuda.Stream) -> tuple:
+    """What a graph of ``call`` replayed on ``stream`` reads by address or value (module docstring)."""
+    x, W = call.hidden_states, call.weights
+    routing_kind = None if call.packed is not None else (call.topk[0].dtype, call.topk[1].dtype)
+    return (stream.cuda_stream, x.shape, x.dtype, routing_kind, call.num_experts, call.top_k,
+            call.local_expert_offset, call.apply_router_weight_on_input, W.activation, W.gated, W.swiglu_alpha,
+            W.swiglu_limit, torch.is_inference_mode_enabled(), _tensor_key(W.gemm1_weights),
+            _tensor_key(W.gemm2_weights), _tensor_key(W.gemm1_bias), _tensor_key(W.gemm2_bias))
+
+
 def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
     """``call``'s output from its key's graph (captured now if new). ``pipeline(routing, expert_weights, x, call)``
     runs the call's launches on those inputs and returns its output first (``triton_backend._pipeline``)."""
-    x, W = call.hidden_states, call.weights
+    x = call.hidden_states
     stream = torch.cuda.current_stream(x.device)
-    if call.packed is not None:
-        routing, weights = call.packed, None
-        routing_kind = None
-    else:
-        routing, weights = call.topk
-        routing_kind = (routing.dtype, weights.dtype)
-    key = (stream.cuda_stream, x.shape, x.dtype, routing_kind, call.num_experts, call.top_k,
-           call.local_expert_offset, call.apply_router_weight_on_input, W.activation, W.gated, W.swiglu_alpha,
-           W.swiglu_limit, torch.is_inference_mode_enabled(), _tensor_key(W.gemm1_weights),
-           _tensor_key(W.gemm2_weights), _tensor_key(W.gemm1_bias), _tensor_key(W.gemm2_bias))
-    entry = _graphs.get(key)
+    routing, weights = (call.packed, None) if call.packed is not None else call.topk
+    entry_key = key(call, stream)
+    entry = _graphs.get(entry_key)
     if entry is None:
         entry = _capture(call, routing, weights, stream, pipeline)
         if len(_graphs) >= MAX_GRAPHS:
             del _graphs[next(iter(_graphs))]
-        _graphs[key] = entry
+        _graphs[entry_key] = entry
     entry.x.copy_(x)
     entry.routing.copy_(routing)
     if weights is not None:

@@ -332,9 +332,10 @@ def _expert_options(W: MoEWeights) -> dict:
 def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None, token_major: bool = True) -> RoutedMoEResult:
     """Eager calls run the pipeline directly (no dispatcher overhead, ``output`` written in place); under
     ``torch.compile`` it goes through the registered custom op ``moelab::triton_routed_moe``. A few slots take the
-    token-major path (:func:`takes_token_major`) unless ``config`` names the tiles or ``token_major`` is False."""
+    token-major path (:func:`takes_token_major`) unless ``config`` names the tiles or ``token_major`` is False.
+    Eager decode calls that ``eager_graphs.takes`` replay a CUDA graph of the pipeline instead."""
     W = call.weights
-    if token_major and config is None and eager_graphs.takes(call):  # a decode call: one graph replay
+    if token_major and config is None and eager_graphs.takes(call, _expert_bytes(W.gemm1_weights, W.gemm2_weights)):
         return RoutedMoEResult(eager_graphs.run(call, _graph_pipeline), None, None, None)
     routing = call.packed if call.packed is not None else call.topk_ids
     weights = None if call.packed is not None else call.expert_weights.contiguous()  # the kernel's stride is 1
