@@ -122,6 +122,17 @@ def _sweep_point(shape, T, w13, w2, a, smem):
     return rows
 
 
+def _candidate(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
+    """One ``--candidates`` entry: BLOCK_N,BLOCK_K,warps,stages[,group_m] as ints (else the parser's error)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in (4, 5):
+        p.error(f"--candidates: expected BLOCK_N,BLOCK_K,warps,stages[,group_m] (4 or 5 integers), got {text!r}")
+    return values
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b;deepseek-v3;mixtral")
@@ -132,8 +143,8 @@ def main(argv=None):
     p.add_argument("--candidates", default=None, help="BLOCK_N,BLOCK_K,warps,stages[,group_m] tuples separated by "
                    "';' instead of CANDIDATES")
     a = p.parse_args(argv)
-    a.candidates = CANDIDATES if a.candidates is None else [
-        tuple(int(v) for v in c.split(",")) for c in a.candidates.split(";") if c.strip()]
+    a.candidates = CANDIDATES if a.candidates is None else [_candidate(p, c) for c in a.candidates.split(";")
+                                                             if c.strip()]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     smem = device_limits(dev).shared_memory if dev.type == "cuda" else 232448
     rows = []

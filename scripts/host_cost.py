@@ -206,14 +206,16 @@ def measure(shape: str, T: int, a) -> None:
     n = launches_per_call(call) // a.layers
     dispatched = COUNTS["dispatch"]
     us = host_us(call, a.rounds, a.calls) / a.layers
-    line = (f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {us / max(n, 1):6.1f} µs/launch  ({n} launches")
+    # no Triton launch counted: the call replays a graph of its own (moelab/backends/eager_graphs.py)
+    launches = f"{us / n:6.1f} µs/launch  ({n} launches" if n else "  one graph replay  (eager_graphs"
+    line = f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {launches}"
     if a.layers > 1:
         line += f", {a.layers} layers in turn"
     if CUDA:
         g = graph_us(call, a.calls) / a.layers
         line += f"); CUDA graph {g:7.1f} µs/call; eager / graph {us / g:5.2f}"
         bench = median_us(call, torch.device("cuda")) / a.layers
-        line += f"; the bench's eager timing {bench:7.1f} µs ({bench / g:4.2f}x)"
+        line += f"; the bench's eager timing {bench:7.1f} µs/call ({bench / g:4.2f}x)"
     else:
         line += f", dispatches {COUNTS['dispatch'] - dispatched} in the timed rounds)"
     print(line, flush=True)
@@ -237,6 +239,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1, help="this many layers of their own weights, called in turn "
                    "(as a model's layers are: on a GPU no layer finds its weights in the L2); µs per layer")
     a = p.parse_args()
+    if a.layers < 1:
+        p.error(f"--layers: expected 1 or more layers, got {a.layers}")
     if not CUDA:
         _stub_triton()
     where = torch.cuda.get_device_name() if CUDA else "CPU, Triton stubbed below CachedLaunchJIT"

@@ -6,6 +6,7 @@ refactor leaves the compiled code unchanged.
     diff -r build/ptx-before build/ptx-after && echo identical
     python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
     python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
+    python scripts/ptx_sm90.py build/ptx --tma --ws  # and those with WARP_SPECIALIZE (compare gemm*_tma_ws.ptx)
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -67,6 +68,9 @@ TMA = {
     "gemm2_tma_lora_tiles": (GEMM2, dict(EVEN_K=True, **TMA_TILE, **TILES_LORA)),
 }
 
+#: The TMA variants with Triton's warp specialisation of the K loop (``--ws``; ``moe_gemm.WARP_SPECIALIZE``).
+WS = {f"{name}_ws": (kernel, {**given, "WARP_SPECIALIZE": True}) for name, (kernel, given) in TMA.items()}
+
 
 def arg_type(name: str, consts: dict) -> str:
     if isinstance(consts.get(name), str) and consts[name].startswith("*"):
@@ -92,7 +96,8 @@ def compile_ptx(kernel, given: dict) -> str:
 
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {})
+    chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {}) \
+        | (WS if "--ws" in sys.argv else {})
     for name, (kernel, given) in chosen.items():
         ptx = compile_ptx(kernel, {**BASE, **given})
         with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
