@@ -58,13 +58,25 @@ def test_nothing_is_replayed_on_a_cpu(graphs):
     assert not eager_graphs.takes(_call(x, ids, w, moelab.prepare_weights(w13, w2, backend="torch")), 0)
 
 
+@pytest.mark.parametrize("T,K,E,E_local", [(1, 8, 128, 128), (8, 8, 64, 64), (32, 6, 64, 16), (3, 2, 8, 8)])
+def test_expected_touched_experts_is_the_mean_over_random_routings(T, K, E, E_local):
+    """The estimate the byte rule reads, against the mean count of distinct local experts over random routings."""
+    g = torch.Generator().manual_seed(T * K + E)
+    trials = 4000
+    ids = torch.rand(trials, T, E, generator=g).argsort(dim=2)[:, :, :K].reshape(trials, -1)  # K distinct a token
+    hit = torch.zeros(trials, E).scatter_(1, ids, 1.0)
+    touched = hit[:, :E_local].sum(dim=1)  # the local experts are the first E_local (where they sit: same count)
+    expected = eager_graphs.expected_touched_experts(T, K, E, E_local)
+    assert abs(touched.mean().item() - expected) <= 0.02 * expected, (touched.mean(), expected)
+
+
 @needs_cuda
 def test_taken_up_to_max_tokens_and_max_bytes_of_touched_experts(graphs):
     _, _, W = _weights(0)
     x, ids, w = _inputs(0)
-    touched = min(T * K, E)
-    assert eager_graphs.takes(_call(x, ids, w, W), eager_graphs.MAX_BYTES // touched)
-    assert not eager_graphs.takes(_call(x, ids, w, W), eager_graphs.MAX_BYTES // touched + 1)
+    touched = eager_graphs.expected_touched_experts(T, K, E, E)
+    assert eager_graphs.takes(_call(x, ids, w, W), int(eager_graphs.MAX_BYTES // touched))
+    assert not eager_graphs.takes(_call(x, ids, w, W), int(eager_graphs.MAX_BYTES // touched) + 1)
     x, ids, w = _inputs(0, T=eager_graphs.MAX_TOKENS + 1)
     assert not eager_graphs.takes(_call(x, ids, w, W), 1)
 

@@ -37,15 +37,21 @@ import torch
 
 from moelab.contract import RoutedMoECall
 
-__all__ = ["takes", "key", "run", "clear", "held", "MAX_TOKENS", "MAX_BYTES", "MAX_GRAPHS"]
+__all__ = ["takes", "expected_touched_experts", "key", "run", "clear", "held", "MAX_TOKENS", "MAX_BYTES",
+           "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
 #: Largest T replayed from a graph (calls above run their launches eagerly).
 MAX_TOKENS = 32
-#: Largest bytes of touched experts (min(T*K, E_local) experts) replayed from a graph: above, the GPU's work
-#: outlasts the launches' host time, and the replay's three copies only add to it (the measurements above).
-MAX_BYTES = 128 * 2**20
+#: Largest expected bytes of touched experts (:func:`expected_touched_experts` x one expert's bytes) replayed from
+#: a graph. About what the H200 streams in the ~150 µs of host time the tiled path's four launches cost an eager
+#: call (3.5 TB/s); past it the GPU's work hides the launches, and the replay's copies and clone add ~10 µs of GPU
+#: time to a call that gains nothing on the host. Measured on seven shapes at T = 1, 8, 32 (BENCHMARKS.md, "Eager
+#: decode calls replayed from CUDA graphs"): every call under it runs 1.08-2.6x faster replayed (OLMoE T = 8,
+#: 504 MiB, the closest: 161 µs against 315) but E128 K8 H4096 I1536 at T = 1 (288 MiB, 3 % slower); every call
+#: past it runs 1-6 % faster as launches but Qwen3-30B-A3B at T = 32 (1006 MiB, 8 % slower).
+MAX_BYTES = 512 * 2**20
 #: Graphs held at once (the oldest goes first).
 MAX_GRAPHS = 512
 
@@ -70,7 +76,8 @@ def takes(call: RoutedMoECall, expert_bytes: int) -> bool:
     x = call.hidden_states
     T = x.shape[0]
     if not (x.is_cuda and call.do_finalize and call.gemm1_lora_delta is None and 0 < T <= MAX_TOKENS
-            and min(T * call.top_k, call.weights.num_local_experts) * expert_bytes <= MAX_BYTES
+            and expected_touched_experts(T, call.top_k, call.num_experts, call.weights.num_local_experts)
+            * expert_bytes <= MAX_BYTES
             and not x.requires_grad):
         return False
     if call.packed is None and (call.topk[1].requires_grad or not call.topk[0].is_cuda):
@@ -78,6 +85,13 @@ def takes(call: RoutedMoECall, expert_bytes: int) -> bool:
     if call.output is not None and call.output.requires_grad:
         return False
     return x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+
+
+def expected_touched_experts(T: int, K: int, num_experts: int, num_local_experts: int) -> float:
+    """Local experts that T tokens are expected to touch when each picks K distinct of ``num_experts`` uniformly:
+    ``E_local * (1 - (1 - K/E)**T)`` (each local expert escapes a token with probability 1 - K/E). Skewed routers
+    touch fewer, so a real call's bytes are at most this, give or take chance."""
+    return num_local_experts * (1.0 - max(0.0, 1.0 - K / num_experts) ** T)
 
 
 def _tensor_key(t: torch.Tensor | None) -> tuple | None:
