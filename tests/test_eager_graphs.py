@@ -55,7 +55,8 @@ def _call(x, ids, w, W):
 def test_nothing_is_replayed_on_a_cpu(graphs):
     x, ids, w = _inputs(0, device="cpu")
     w13, w2 = random_experts(E, H, I, torch.bfloat16)
-    assert not eager_graphs.takes(_call(x, ids, w, moelab.prepare_weights(w13, w2, backend="torch")), 0)
+    W = moelab.prepare_weights(w13, w2, backend="torch")
+    assert not eager_graphs.takes(_call(x, ids, w, W), lambda c: (0, 4))
 
 
 @pytest.mark.parametrize("T,K,E,E_local", [(1, 8, 128, 128), (8, 8, 64, 64), (32, 6, 64, 16), (3, 2, 8, 8)])
@@ -75,10 +76,21 @@ def test_taken_up_to_max_tokens_and_max_bytes_of_touched_experts(graphs):
     _, _, W = _weights(0)
     x, ids, w = _inputs(0)
     touched = eager_graphs.expected_touched_experts(T, K, E, E)
-    assert eager_graphs.takes(_call(x, ids, w, W), int(eager_graphs.MAX_BYTES // touched))
-    assert not eager_graphs.takes(_call(x, ids, w, W), int(eager_graphs.MAX_BYTES // touched) + 1)
+    for launches in (2, 4):
+        most = int(launches * eager_graphs.MAX_BYTES_PER_LAUNCH // touched)  # one expert's bytes at the bound
+        assert eager_graphs.takes(_call(x, ids, w, W), lambda c, cost=(most, launches): cost)
+        assert not eager_graphs.takes(_call(x, ids, w, W), lambda c, cost=(most + 1, launches): cost)
     x, ids, w = _inputs(0, T=eager_graphs.MAX_TOKENS + 1)
-    assert not eager_graphs.takes(_call(x, ids, w, W), 1)
+    assert not eager_graphs.takes(_call(x, ids, w, W), lambda c: (1, 4))
+
+
+def test_the_backend_weighs_its_eager_launches():
+    """The triton backend hands ``takes`` 2 launches where the eager call would run the token-major path, else 4."""
+    _, _, W = _weights(0, device="cpu")
+    for T_, expect in [(1, 2), (T, 4)]:  # one token: token-major; 4 tokens x 2 of 8 experts share them: tiled
+        x, ids, w = _inputs(0, T=T_, device="cpu")
+        expert_bytes, launches = triton_backend._eager_cost(_call(x, ids, w, W))
+        assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (T_, launches)
 
 
 @needs_cuda

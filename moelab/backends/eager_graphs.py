@@ -21,7 +21,8 @@ weights where the key says they are, so a call whose weights live there reads it
 place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the oldest goes) or :func:`clear`.
 Each holds its static buffers (T x H inputs and output) and its share of the pool.
 
-Not taken (the call runs its launches as before): T above ``MAX_TOKENS`` or 0, an ``output`` not asked for
+Not taken (the call runs its launches as before): experts expected to weigh more than ``MAX_BYTES_PER_LAUNCH`` per
+eager launch (the GPU's work hides the launches there), T above ``MAX_TOKENS`` or 0, an ``output`` not asked for
 alone (``do_finalize=False`` or a delta: the permuted intermediates would be the graph's), a tile ``config``
 forced, CPU tensors, a tensor on a device other than the current one, while a graph is captured or
 ``torch.compile`` traces, inputs that require grad, inference mode switched since the capture (part of the key),
@@ -37,21 +38,21 @@ import torch
 
 from moelab.contract import RoutedMoECall
 
-__all__ = ["takes", "expected_touched_experts", "key", "run", "clear", "held", "MAX_TOKENS", "MAX_BYTES",
-           "MAX_GRAPHS"]
+__all__ = ["takes", "expected_touched_experts", "key", "run", "clear", "held", "MAX_TOKENS",
+           "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
 #: Largest T replayed from a graph (calls above run their launches eagerly).
 MAX_TOKENS = 32
 #: Largest expected bytes of touched experts (:func:`expected_touched_experts` x one expert's bytes) replayed from
-#: a graph. About what the H200 streams in the ~150 µs of host time the tiled path's four launches cost an eager
-#: call (3.5 TB/s); past it the GPU's work hides the launches, and the replay's copies and clone add ~10 µs of GPU
-#: time to a call that gains nothing on the host. Measured on seven shapes at T = 1, 8, 32 (BENCHMARKS.md, "Eager
-#: decode calls replayed from CUDA graphs"): every call under it runs 1.08-2.6x faster replayed (OLMoE T = 8,
-#: 504 MiB, the closest: 161 µs against 315) but E128 K8 H4096 I1536 at T = 1 (288 MiB, 3 % slower); every call
-#: past it runs 1-6 % faster as launches but Qwen3-30B-A3B at T = 32 (1006 MiB, 8 % slower).
-MAX_BYTES = 512 * 2**20
+#: a graph, per launch the call would run eagerly (2 on the token-major path, 4 on the tiled one): what the H200
+#: streams (3.5 TB/s) in the ~85 µs of host time one launch costs a slow process. Past it the GPU's work hides the
+#: launches, and the replay's copies and clone only add ~10 µs of GPU time. The launches' host time scatters up to
+#: 2x between processes (Qwen3-30B-A3B T = 1: 72.9 µs in one, 140.7 in another) while a replay's stays put, so the
+#: bound sits where the launches win on a slow host too. Measured on seven shapes at T = 1, 8, 32 in three
+#: processes (BENCHMARKS.md, "Eager decode calls replayed from CUDA graphs").
+MAX_BYTES_PER_LAUNCH = 280 * 2**20
 #: Graphs held at once (the oldest goes first).
 MAX_GRAPHS = 512
 
@@ -69,22 +70,25 @@ class _Entry:
         self.graph, self.x, self.routing, self.weights, self.out = graph, x, routing, weights, out
 
 
-def takes(call: RoutedMoECall, expert_bytes: int) -> bool:
-    """Whether ``call`` (experts of ``expert_bytes`` each) runs as a graph replay (module docstring)."""
+def takes(call: RoutedMoECall, eager_cost: Callable[[RoutedMoECall], tuple[int, int]]) -> bool:
+    """Whether ``call`` runs as a graph replay (module docstring). ``eager_cost(call)`` gives one local expert's
+    bytes and the launches the call would run eagerly; it is asked last, after the cheaper checks pass."""
     if not ENABLED or torch.compiler.is_compiling():
         return False
     x = call.hidden_states
     T = x.shape[0]
     if not (x.is_cuda and call.do_finalize and call.gemm1_lora_delta is None and 0 < T <= MAX_TOKENS
-            and expected_touched_experts(T, call.top_k, call.num_experts, call.weights.num_local_experts)
-            * expert_bytes <= MAX_BYTES
             and not x.requires_grad):
         return False
     if call.packed is None and (call.topk[1].requires_grad or not call.topk[0].is_cuda):
         return False
     if call.output is not None and call.output.requires_grad:
         return False
-    return x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+    if x.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing():
+        return False
+    expert_bytes, launches = eager_cost(call)
+    touched = expected_touched_experts(T, call.top_k, call.num_experts, call.weights.num_local_experts)
+    return touched * expert_bytes <= launches * MAX_BYTES_PER_LAUNCH
 
 
 def expected_touched_experts(T: int, K: int, num_experts: int, num_local_experts: int) -> float:

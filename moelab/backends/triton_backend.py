@@ -335,7 +335,7 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None, token_majo
     token-major path (:func:`takes_token_major`) unless ``config`` names the tiles or ``token_major`` is False.
     Eager decode calls that ``eager_graphs.takes`` replay a CUDA graph of the pipeline instead."""
     W = call.weights
-    if token_major and config is None and eager_graphs.takes(call, _expert_bytes(W.gemm1_weights, W.gemm2_weights)):
+    if token_major and config is None and eager_graphs.takes(call, _eager_cost):
         return RoutedMoEResult(eager_graphs.run(call, _graph_pipeline), None, None, None)
     routing = call.packed if call.packed is not None else call.topk_ids
     weights = None if call.packed is not None else call.expert_weights.contiguous()  # the kernel's stride is 1
@@ -351,6 +351,16 @@ def routed_moe(call: RoutedMoECall, config: GemmConfig | None = None, token_majo
         output, gemm2, e2p, act = _pipeline(*args, output=call.output, config=config, expert=_expert_options(W),
                                             **options)
     return RoutedMoEResult(output if call.do_finalize else None, gemm2, e2p, act)
+
+
+def _eager_cost(call: RoutedMoECall) -> tuple[int, int]:
+    """One local expert's bytes and the launches ``call`` runs eagerly: 2 on the token-major path, else 4
+    (segments, GEMM1, GEMM2, finalize) — what ``eager_graphs.takes`` weighs."""
+    W = call.weights
+    expert_bytes = _expert_bytes(W.gemm1_weights, W.gemm2_weights)
+    token_major = takes_token_major(call.hidden_states.shape[0], call.top_k, True, False,
+                                    num_local_experts=W.num_local_experts, expert_bytes=expert_bytes)
+    return expert_bytes, 2 if token_major else 4
 
 
 def _graph_pipeline(routing: torch.Tensor, weights: torch.Tensor | None, x: torch.Tensor,
