@@ -17,7 +17,7 @@ OUT=${OUT:-build/device_eager_graphs}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # el, gpu_tests, $OUT/env.txt
 if [ "${PART:-host}" = suite ]; then
   el "GPU tests"
-  gpu_tests 560 $(ls tests/test_*.py | grep -vE "test_(browser|notebooks|docs|faults)\.py")
+  gpu_tests "${SUITE_S:-560}" $(ls tests/test_*.py | grep -vE "test_(browser|notebooks|docs|faults)\.py")
   el done; exit 0
 fi
 el "GPU tests of the graph path"
