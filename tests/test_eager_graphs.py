@@ -48,6 +48,11 @@ def _reference(x, ids, w, w13, w2, packed=True):
     return reference.routed_moe(ids, w, x, w13, w2)["output"]
 
 
+def _moe(topk, x, W, **options):
+    """``moelab.routed_moe``'s output on this file's E and K."""
+    return moelab.routed_moe(topk, x, W, num_experts=E, top_k=K, validate=False, **options)[0]
+
+
 def _call(x, ids, w, W):
     return RoutedMoECall((ids, w), None, x, W, E, K, 0, None, True, None)
 
@@ -106,7 +111,7 @@ def test_replays_match_the_reference_with_fresh_inputs_and_write_every_element(g
             topk = (ids.long(), w)  # int64 ids: the graph's int32 buffer takes them as the pipeline would
         if graphs:
             poison(next(iter(graphs.values())).out)  # the replay must write every element of its output
-        (out,) = moelab.routed_moe(topk, x, W, num_experts=E, top_k=K, validate=False)
+        out = _moe(topk, x, W)
         assert len(graphs) == 1
         assert_close_to_reference(out, _reference(x, ids, w, w13, w2, routing == "packed"), torch.bfloat16,
                                   f"call {seed}")
@@ -121,8 +126,8 @@ def test_the_first_call_computes_the_bits_of_every_later_one(graphs):
     _, _, W = _weights(0)
     x, ids, w = _inputs(1)
     packed = moelab.pack_topk_ids_weights(ids, w)
-    first = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
-    again = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    first = _moe(packed, x, W)
+    again = _moe(packed, x, W)
     assert torch.equal(first, again)
 
 
@@ -132,8 +137,7 @@ def test_output_argument_is_written_in_place(graphs):
     for seed in range(2):
         x, ids, w = _inputs(seed)
         out = poison(torch.empty_like(x))
-        got = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, W, num_experts=E, top_k=K, output=out,
-                                validate=False)[0]
+        got = _moe(moelab.pack_topk_ids_weights(ids, w), x, W, output=out)
         assert got is out
         assert_close_to_reference(out, _reference(x, ids, w, w13, w2), torch.bfloat16, f"call {seed}")
 
@@ -144,13 +148,12 @@ def test_each_weights_and_each_size_get_their_own_graph_and_in_place_updates_are
     b13, b2, B = _weights(1)
     for n_tokens, (w13, w2, W) in [(4, (a13, a2, A)), (4, (b13, b2, B)), (1, (a13, a2, A)), (4, (a13, a2, A))]:
         x, ids, w = _inputs(n_tokens, T=n_tokens)
-        out = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, W, num_experts=E, top_k=K,
-                                validate=False)[0]
+        out = _moe(moelab.pack_topk_ids_weights(ids, w), x, W)
         assert_close_to_reference(out, _reference(x, ids, w, w13, w2), torch.bfloat16, f"T={n_tokens}")
     assert len(graphs) == 3
     a13.mul_(-0.5)  # the graph reads the weights where they live: an update in place is read
     x, ids, w = _inputs(9)
-    out = moelab.routed_moe(moelab.pack_topk_ids_weights(ids, w), x, A, num_experts=E, top_k=K, validate=False)[0]
+    out = _moe(moelab.pack_topk_ids_weights(ids, w), x, A)
     assert_close_to_reference(out, _reference(x, ids, w, a13, a2), torch.bfloat16, "updated weights")
     assert len(graphs) == 3
 
@@ -160,11 +163,11 @@ def test_a_side_stream_gets_its_own_graph(graphs):
     w13, w2, W = _weights(0)
     x, ids, w = _inputs(0)
     packed = moelab.pack_topk_ids_weights(ids, w)
-    main = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+    main = _moe(packed, x, W)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        on_side = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+        on_side = _moe(packed, x, W)
     torch.cuda.current_stream().wait_stream(side)
     assert len(graphs) == 2
     assert torch.equal(main, on_side)
@@ -174,21 +177,21 @@ def test_a_side_stream_gets_its_own_graph(graphs):
 def test_not_taken_above_max_tokens_while_capturing_or_off(graphs, monkeypatch):
     w13, w2, W = _weights(0)
     x, ids, w = _inputs(0, T=eager_graphs.MAX_TOKENS + 1)
-    out = moelab.routed_moe((ids, w), x, W, num_experts=E, top_k=K, validate=False)[0]
+    out = _moe((ids, w), x, W)
     assert_close_to_reference(out, _reference(x, ids, w, w13, w2, packed=False), torch.bfloat16, "T > MAX_TOKENS")
     x, ids, w = _inputs(0)
     packed = moelab.pack_topk_ids_weights(ids, w)
-    moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)  # compiles the eager kernels
+    _moe(packed, x, W)  # compiles the eager kernels
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # the caller's own capture holds the kernels, not a replay of another graph
-        captured = moelab.routed_moe(packed, x, W, num_experts=E, top_k=K, validate=False)[0]
+        captured = _moe(packed, x, W)
     assert len(graphs) == 1
     poison(captured)
     graph.replay()
     assert_close_to_reference(captured, _reference(x, ids, w, w13, w2), torch.bfloat16, "caller's graph")
     monkeypatch.setattr(eager_graphs, "ENABLED", False)
     x, ids, w = _inputs(1, T=2)
-    out = moelab.routed_moe((ids, w), x, W, num_experts=E, top_k=K, validate=False)[0]
+    out = _moe((ids, w), x, W)
     assert len(graphs) == 1
     assert_close_to_reference(out, _reference(x, ids, w, w13, w2, packed=False), torch.bfloat16, "off")
 
@@ -199,7 +202,7 @@ def test_the_oldest_graph_goes_past_max_graphs(graphs, monkeypatch):
     w13, w2, W = _weights(0)
     for n_tokens in (1, 2, 3, 1):
         x, ids, w = _inputs(n_tokens, T=n_tokens)
-        out = moelab.routed_moe((ids, w), x, W, num_experts=E, top_k=K, validate=False)[0]
+        out = _moe((ids, w), x, W)
         assert_close_to_reference(out, _reference(x, ids, w, w13, w2, packed=False), torch.bfloat16, f"T={n_tokens}")
     assert [key[1][0] for key in graphs] == [3, 1]  # T = 2 went, then the first T = 1 (re-captured last)
 
