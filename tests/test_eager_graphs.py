@@ -91,9 +91,10 @@ def test_taken_up_to_max_tokens_and_max_bytes_of_touched_experts(graphs):
 
 def test_the_backend_weighs_its_eager_launches():
     """The triton backend hands ``takes`` 2 launches where the eager call would run the token-major path, else 4."""
-    _, _, W = _weights(0, device="cpu")
+    device = "cuda" if CUDA else "cpu"  # the triton backend's weights live where its kernels run
+    _, _, W = _weights(0, device=device)
     for T_, expect in [(1, 2), (T, 4)]:  # one token: token-major; 4 tokens x 2 of 8 experts share them: tiled
-        x, ids, w = _inputs(0, T=T_, device="cpu")
+        x, ids, w = _inputs(0, T=T_, device=device)
         expert_bytes, launches = triton_backend._eager_cost(_call(x, ids, w, W))
         assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (T_, launches)
 
