@@ -23,12 +23,13 @@ fi
 el "GPU tests of the graph path"
 gpu_tests 150 tests/test_eager_graphs.py tests/test_token_major.py tests/test_launch.py tests/test_routed_moe.py
 SHAPES="qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408;128,8,4096,1536"
-# host_graphs: every call of T <= 32 replayed (eager_graphs.MAX_BYTES_PER_LAUNCH lifted, to see where the rule should fall)
+# name:MOELAB_EAGER_GRAPHS:bound. host_graphs: every call of T <= 32 replayed (eager_graphs.MAX_BYTES_PER_LAUNCH
+# lifted, to see where the bound should fall); host_rule: the bound as shipped
 RUNS="graphs:1:lifted launches:0:lifted"
 [ "${PART:-host}" = rule ] && RUNS="rule:1:shipped launches:0:lifted"
 for run in $RUNS; do
   IFS=: read -r name on bytes <<< "$run"; name=host_$name
-  el "host cost, $name, MOELAB_EAGER_GRAPHS=$on, MAX_BYTES $bytes"
+  el "host cost, $name, MOELAB_EAGER_GRAPHS=$on, MAX_BYTES_PER_LAUNCH $bytes"
   MOELAB_EAGER_GRAPHS=$on LIFT=$([ $bytes = lifted ] && echo 1 || echo 0) timeout -s INT 100 python3 -c '
 import os, runpy, sys
 from moelab.backends import eager_graphs
