@@ -84,6 +84,9 @@ class LoRABank:
         [4, 0]
     """
 
+    #: The names of the bank's six tensors, in the order of :meth:`set`.
+    TENSOR_NAMES: tuple[str, ...] = tuple(_BANK_TENSORS)
+
     def __init__(self, max_loras: int, num_local_experts: int, hidden_size: int, intermediate_size: int,
                  max_rank: int, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         self.max_loras = check_int("max_loras", max_loras, low=1)

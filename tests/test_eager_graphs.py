@@ -13,7 +13,7 @@ from helpers import assert_close_to_reference, poison, random_experts, random_to
 import moelab
 from moelab import reference
 from moelab.backends import eager_graphs, triton_backend
-from moelab.contract import RoutedMoECall
+from moelab.contract import LoRAExpertsCall, RoutedMoECall
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-graph replays need a CUDA GPU (runs on the H200)")
@@ -216,3 +216,104 @@ def test_backend_keeps_the_launches_for_a_forced_tile_config(graphs):
 
     triton_backend.routed_moe(_call(x, ids, w, W), config=choose_config(T, K, E, x.dtype))
     assert not graphs
+
+
+# ------------------------------------------------------------------------------------- LoRAExperts calls replayed
+
+def _lora_module(fused, ranks=(16, 8), seed=0, device="cuda"):
+    """A LoRAExperts of this file's sizes with a bank of adapters of ``ranks`` (max rank 16), and its weights."""
+    from test_experts import make_bank, random_adapters
+
+    torch.manual_seed(seed)
+    w13, w2 = random_experts(E, H, I, torch.bfloat16, device=device)
+    bank = make_bank(random_adapters(len(ranks), E, H, I, list(ranks), seed=seed), E, 0, H, I, 16, torch.bfloat16,
+                     device)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused=fused)
+    return experts, w13, w2, bank
+
+
+def _lora_inputs(seed, T, L, device="cuda"):
+    """Fresh x, weights, ids and adapter ids (every adapter and -1 among them)."""
+    x, ids, w = _inputs(seed, T=T, device=device)
+    return x, w, ids, ((torch.arange(T) + seed) % (L + 1) - 1).to(device)
+
+
+def _lora_call(experts, x, w, ids, lora_ids):
+    return experts(x, w, ids, lora_ids, has_lora=lora_ids is not None, validate=False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fused, T_", [(None, 1), (None, T), ("decode", T), ("adapter-loop", T), (False, T)])
+def test_lora_replays_match_the_reference_and_keep_base_rows_bit_for_bit(graphs, fused, T_):
+    """Each path a LoRAExperts call can take, replayed with fresh inputs against the float64 reference, every
+    element of the graph's output written; tokens without an adapter equal the replayed base call's rows."""
+    experts, w13, w2, bank = _lora_module(fused)
+    for seed in range(3):  # the first call of each key captures, the others replay
+        x, w, ids, lora_ids = _lora_inputs(seed, T_, bank.max_loras)
+        for entry in graphs.values():
+            poison(entry.out)
+        out = _lora_call(experts, x, w, ids, lora_ids)
+        base = _lora_call(experts, x, w, ids, None)
+        assert len(graphs) == 2  # the call with adapters and the base call: one graph each
+        ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+        assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test"
+        assert_close_to_reference(out, ref["output"], torch.bfloat16, f"seed {seed} output")
+        assert_close_to_reference(base, ref["base"], torch.bfloat16, f"seed {seed} base")
+        none = lora_ids < 0
+        assert none.any() and torch.equal(out[none], base[none])
+
+
+@needs_cuda
+def test_lora_replays_read_a_bank_slot_set_in_place_and_its_new_rank(graphs):
+    experts, w13, w2, bank = _lora_module(None)
+    x, w, ids, lora_ids = _lora_inputs(0, T, bank.max_loras)
+    _lora_call(experts, x, w, ids, lora_ids)
+    from test_experts import random_adapters
+
+    new = random_adapters(1, E, H, I, [16], seed=7)[0]  # slot 1: rank 8 -> 16, new values
+    bank.set(1, scaling=0.5, **{k: v.to(torch.bfloat16).cuda() for k, v in new.items()})
+    out = _lora_call(experts, x, w, ids, lora_ids)
+    assert len(graphs) == 1
+    assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
+                              torch.bfloat16, "after bank.set")
+
+
+@needs_cuda
+def test_lora_calls_keep_their_launches_above_max_tokens_and_under_a_callers_capture(graphs):
+    experts, w13, w2, bank = _lora_module(None)
+    x, w, ids, lora_ids = _lora_inputs(0, eager_graphs.MAX_TOKENS + 1, bank.max_loras)
+    out = _lora_call(experts, x, w, ids, lora_ids)
+    assert not graphs
+    assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
+                              torch.bfloat16, "T > MAX_TOKENS")
+    x, w, ids, lora_ids = _lora_inputs(1, T, bank.max_loras)
+    _lora_call(experts, x, w, ids, lora_ids)  # compiles the kernels (and captures one replay graph)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _lora_call(experts, x, w, ids, lora_ids)
+    assert len(graphs) == 1
+    poison(captured)
+    graph.replay()
+    assert_close_to_reference(captured, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
+                              torch.bfloat16, "caller's graph")
+
+
+def test_the_backend_weighs_a_lora_calls_eager_launches():
+    """One launch more on the token-major path where the batch has adapters (the W13 shrink); vLLM's flow and the
+    tiled paths count the base call's four."""
+    device = "cuda" if CUDA else "cpu"
+    for fused, T_, lora, expect in [(None, 1, True, 3), (None, 1, False, 2), (False, 1, True, 4), (None, T, True, 4)]:
+        experts, *_, bank = _lora_module(fused, device=device)
+        x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device=device)
+        call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank if lora else None,
+                               lora_ids if lora else None, experts.fused, None, bank)
+        expert_bytes, launches = triton_backend._lora_eager_cost(call)
+        assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (fused, T_, lora, launches)
+
+
+def test_no_lora_call_is_replayed_on_a_cpu(graphs):
+    experts, *_, bank = _lora_module(None, device="cpu")
+    x, w, ids, lora_ids = _lora_inputs(0, 1, bank.max_loras, device="cpu")
+    call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank, lora_ids, True, None,
+                           bank)
+    assert not eager_graphs.takes_lora(call, lambda c: (0, 4))

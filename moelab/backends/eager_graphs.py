@@ -13,10 +13,19 @@ replays it, so every call of a key, the first included, computes the same bits: 
 graph (the tiled GEMMs chained by PDL, or the token-major ones where ``takes_token_major`` says so while
 capturing), which agree with the eager kernels to rounding only.
 
+``LoRAExperts`` calls on the triton backend replay the same way (:func:`takes_lora`, :func:`run_lora`): their
+inputs are x, the ids, the weights and the adapter ids, each copied into a buffer of the caller's dtype, and the
+graph holds whatever launches the backend runs for the call (the token-major kernels with the bank, the fused
+tiles, or vLLM's flow), so each call computes the bits of that path in a CUDA graph. Their key adds the dtypes of
+those inputs, whether the batch has adapters, the path options, and each tensor of the bank (and of the module's
+bank) by address, shape and dtype, its rank table too: ``LoRABank.set`` writes a slot in place and is read by the
+next replay; an assigned ``bank.ranks`` reaches the table at the next call, as on the launches.
+
 The key is everything the captured launches read by address or by value: the current stream (graphs of one
 stream share one memory pool, and a stream runs its replays one after the other, so their intermediates may share
 memory), T, the routing's kind and dtypes, ``num_experts``, ``top_k``, ``local_expert_offset``, the router weight
-on the input, the expert options, and each weight and bias tensor's address, shape and dtype. A replay reads the
+on the input, the expert options, the dead-row fill (:func:`moelab.set_debug`), and each weight and bias tensor's
+address, shape and dtype. A replay reads the
 weights where the key says they are, so a call whose weights live there reads its own weights; weights updated in
 place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the oldest goes) or :func:`clear`.
 Each holds its static buffers (T x H inputs and output) and its share of the pool.
@@ -31,15 +40,18 @@ and ``MOELAB_EAGER_GRAPHS=0``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
 import torch
 
-from moelab.contract import RoutedMoECall
+from moelab import _runtime
+from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall
+from moelab.lora import LoRABank
 
-__all__ = ["takes", "expected_touched_experts", "key", "run", "clear", "held", "MAX_TOKENS",
-           "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
+__all__ = ["takes", "takes_lora", "expected_touched_experts", "key", "lora_key", "run", "run_lora", "clear", "held",
+           "MAX_TOKENS", "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
@@ -64,31 +76,49 @@ _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream c
 class _Entry:
     """One captured call: its graph, the input buffers the replay reads and the output buffer it writes."""
 
-    __slots__ = ("graph", "x", "routing", "weights", "out")
+    __slots__ = ("graph", "inputs", "out")
 
-    def __init__(self, graph, x, routing, weights, out):
-        self.graph, self.x, self.routing, self.weights, self.out = graph, x, routing, weights, out
+    def __init__(self, graph, inputs, out):
+        self.graph, self.inputs, self.out = graph, inputs, out
+
+
+def _replayable(x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...]) -> bool:
+    """The checks every replayed call passes: CUDA inputs of at most ``MAX_TOKENS`` tokens on the current device,
+    none requiring grad, no capture on this thread, replays on, not under ``torch.compile``."""
+    if not ENABLED or torch.compiler.is_compiling() or not x.is_cuda or not 0 < x.shape[0] <= MAX_TOKENS:
+        return False
+    if any(t is not None and (t.requires_grad or not t.is_cuda) for t in inputs):
+        return False
+    return x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+
+
+def _within_bound(T: int, top_k: int, num_experts: int, num_local_experts: int, cost: tuple[int, int]) -> bool:
+    """Whether the expected bytes of touched experts stay within ``MAX_BYTES_PER_LAUNCH`` per eager launch
+    (``cost``: one local expert's bytes and the launches the call would run eagerly)."""
+    expert_bytes, launches = cost
+    return expected_touched_experts(T, top_k, num_experts, num_local_experts) * expert_bytes <= (
+        launches * MAX_BYTES_PER_LAUNCH)
 
 
 def takes(call: RoutedMoECall, eager_cost: Callable[[RoutedMoECall], tuple[int, int]]) -> bool:
     """Whether ``call`` runs as a graph replay (module docstring). ``eager_cost(call)`` gives one local expert's
     bytes and the launches the call would run eagerly; it is asked last, after the cheaper checks pass."""
-    if not ENABLED or torch.compiler.is_compiling():
-        return False
     x = call.hidden_states
-    T = x.shape[0]
-    if not (x.is_cuda and call.do_finalize and call.gemm1_lora_delta is None and 0 < T <= MAX_TOKENS
-            and not x.requires_grad):
+    if not (call.do_finalize and call.gemm1_lora_delta is None):
         return False
-    if call.packed is None and (call.topk[1].requires_grad or not call.topk[0].is_cuda):
+    routing = (call.packed,) if call.packed is not None else call.topk
+    if not _replayable(x, (x, *routing, call.output)):
         return False
-    if call.output is not None and call.output.requires_grad:
+    return _within_bound(x.shape[0], call.top_k, call.num_experts, call.weights.num_local_experts, eager_cost(call))
+
+
+def takes_lora(call: LoRAExpertsCall, eager_cost: Callable[[LoRAExpertsCall], tuple[int, int]]) -> bool:
+    """Whether a backend's ``lora_experts`` call runs as a graph replay: as :func:`takes` says for the base call, a
+    bank with it or not (the bank's tensors, like the weights, are read where they live)."""
+    x = call.hidden_states
+    if not _replayable(x, (x, call.topk_ids, call.topk_weights, call.lora_ids, call.output)):
         return False
-    if x.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing():
-        return False
-    expert_bytes, launches = eager_cost(call)
-    touched = expected_touched_experts(T, call.top_k, call.num_experts, call.weights.num_local_experts)
-    return touched * expert_bytes <= launches * MAX_BYTES_PER_LAUNCH
+    return _within_bound(x.shape[0], call.top_k, call.num_experts, call.weights.num_local_experts, eager_cost(call))
 
 
 def expected_touched_experts(T: int, K: int, num_experts: int, num_local_experts: int) -> float:
@@ -102,14 +132,38 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
+def _weights_key(W: MoEWeights) -> tuple:
+    """What a graph reads of the experts: their options by value, each weight and bias tensor by address."""
+    return (W.activation, W.gated, W.swiglu_alpha, W.swiglu_limit, _tensor_key(W.gemm1_weights),
+            _tensor_key(W.gemm2_weights), _tensor_key(W.gemm1_bias), _tensor_key(W.gemm2_bias))
+
+
+def _bank_key(bank: LoRABank | None) -> tuple | None:
+    """A bank's tensors by address, its rank table too (brought up to date with ``bank.ranks`` first, as every
+    eager call does: a replay reads the table where it lives)."""
+    if bank is None:
+        return None
+    return (*(_tensor_key(getattr(bank, name)) for name in LoRABank.TENSOR_NAMES), _tensor_key(bank.rank_table()))
+
+
 def key(call: RoutedMoECall, stream: torch.cuda.Stream) -> tuple:
     """What a graph of ``call`` replayed on ``stream`` reads by address or value (module docstring)."""
-    x, W = call.hidden_states, call.weights
+    x = call.hidden_states
     routing_kind = None if call.packed is not None else (call.topk[0].dtype, call.topk[1].dtype)
     return (stream.cuda_stream, x.shape, x.dtype, routing_kind, call.num_experts, call.top_k,
-            call.local_expert_offset, call.apply_router_weight_on_input, W.activation, W.gated, W.swiglu_alpha,
-            W.swiglu_limit, torch.is_inference_mode_enabled(), _tensor_key(W.gemm1_weights),
-            _tensor_key(W.gemm2_weights), _tensor_key(W.gemm1_bias), _tensor_key(W.gemm2_bias))
+            call.local_expert_offset, call.apply_router_weight_on_input, torch.is_inference_mode_enabled(),
+            _runtime.DEBUG_DEAD_ROWS, _weights_key(call.weights))
+
+
+def lora_key(call: LoRAExpertsCall, stream: torch.cuda.Stream) -> tuple:
+    """As :func:`key`, for a ``lora_experts`` call: also the dtypes of its ids, weights and adapter ids, whether
+    the batch has adapters, the path options and both banks (``call.lora`` and the module's ``call.bank``)."""
+    x, ids = call.hidden_states, call.topk_ids
+    lora_ids = None if call.lora_ids is None else call.lora_ids.dtype
+    return ("lora", stream.cuda_stream, x.shape, x.dtype, ids.dtype, call.topk_weights.dtype, lora_ids,
+            call.num_experts, call.top_k, call.local_expert_offset, call.fused, call.path,
+            torch.is_inference_mode_enabled(), _runtime.DEBUG_DEAD_ROWS, _weights_key(call.weights),
+            _bank_key(call.lora), _bank_key(call.bank))
 
 
 def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
@@ -118,29 +172,54 @@ def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
     x = call.hidden_states
     stream = torch.cuda.current_stream(x.device)
     routing, weights = (call.packed, None) if call.packed is not None else call.topk
-    entry_key = key(call, stream)
+    buffers = (x.dtype, torch.int32, None if weights is None else weights.dtype)  # as the pipeline reads them
+
+    def launches(static_x, static_routing, static_weights):
+        return pipeline(static_routing, static_weights, static_x, call)[0]
+
+    return _replay(key(call, stream), stream, (x, routing, weights), buffers, launches, call.output)
+
+
+def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], torch.Tensor]) -> torch.Tensor:
+    """``call.output`` written from its key's graph of ``lora_experts(call)`` (a backend's launches for it) over
+    input buffers of the graph's own, captured now if new."""
+    x = call.hidden_states
+    stream = torch.cuda.current_stream(x.device)
+    inputs = (x, call.topk_ids, call.topk_weights, call.lora_ids)
+    buffers = tuple(None if t is None else t.dtype for t in inputs)  # as the caller gave them
+
+    def launches(static_x, static_ids, static_weights, static_lora_ids):
+        out = torch.empty_like(call.output, memory_format=torch.contiguous_format)
+        return lora_experts(dataclasses.replace(call, hidden_states=static_x, topk_ids=static_ids,
+                                                topk_weights=static_weights, lora_ids=static_lora_ids, output=out))
+
+    return _replay(lora_key(call, stream), stream, inputs, buffers, launches, call.output)
+
+
+def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
+            buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
+            output: torch.Tensor | None) -> torch.Tensor:
+    """Copy ``inputs`` into the graph's buffers (of dtypes ``buffers``; None: no input), replay, and return a copy
+    of its output (or ``output`` written). A new key captures ``launches(*buffers)`` first."""
     entry = _graphs.get(entry_key)
     if entry is None:
-        entry = _capture(call, routing, weights, stream, pipeline)
+        entry = _capture(inputs, buffers, stream, launches)
         if len(_graphs) >= MAX_GRAPHS:
             del _graphs[next(iter(_graphs))]
         _graphs[entry_key] = entry
-    entry.x.copy_(x)
-    entry.routing.copy_(routing)
-    if weights is not None:
-        entry.weights.copy_(weights)
+    for static, given in zip(entry.inputs, inputs):
+        if given is not None:
+            static.copy_(given)
     entry.graph.replay()
-    return entry.out.clone() if call.output is None else call.output.copy_(entry.out)
+    return entry.out.clone() if output is None else output.copy_(entry.out)
 
 
-def _capture(call: RoutedMoECall, routing: torch.Tensor, weights: torch.Tensor | None,
-             stream: torch.cuda.Stream, pipeline: Callable[..., tuple]) -> _Entry:
-    """The call's graph over input buffers of its own (int32 ids, contiguous weights, as the pipeline reads them)."""
-    x = call.hidden_states
-    device = x.device
-    static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    static_routing = torch.empty(routing.shape, dtype=torch.int32, device=device)
-    static_weights = None if weights is None else torch.empty(weights.shape, dtype=weights.dtype, device=device)
+def _capture(inputs: tuple[torch.Tensor | None, ...], buffers: tuple[torch.dtype | None, ...],
+             stream: torch.cuda.Stream, launches: Callable[..., torch.Tensor]) -> _Entry:
+    """A graph of ``launches`` over contiguous input buffers of its own, shaped as ``inputs``."""
+    device = inputs[0].device
+    static = tuple(None if t is None else torch.empty(t.shape, dtype=dtype, device=device)
+                   for t, dtype in zip(inputs, buffers))
     if device.index not in _side_streams:
         _side_streams[device.index] = torch.cuda.Stream(device)
     if stream.cuda_stream not in _pools:
@@ -151,8 +230,8 @@ def _capture(call: RoutedMoECall, routing: torch.Tensor, weights: torch.Tensor |
     with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
                                                      stream=_side_streams[device.index],
                                                      capture_error_mode="thread_local"):
-        out = pipeline(static_routing, static_weights, static_x, call)[0]
-    return _Entry(graph, static_x, static_routing, static_weights, out)
+        out = launches(*static)
+    return _Entry(graph, static, out)
 
 
 def clear() -> None:

@@ -363,6 +363,15 @@ def _eager_cost(call: RoutedMoECall) -> tuple[int, int]:
     return expert_bytes, 2 if token_major else 4
 
 
+def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
+    """As :func:`_eager_cost`, for a ``lora_experts`` call: on the token-major path one launch more where the
+    batch has adapters (the W13 shrink), else 4 (the tiled paths launch at least the base call's four)."""
+    expert_bytes, launches = _eager_cost(call)
+    if launches == 2 and call.bank is not None and not call.fused:  # vLLM's flow: the tiled pipeline
+        launches = 4
+    return expert_bytes, launches + (1 if launches == 2 and call.lora is not None else 0)
+
+
 def _graph_pipeline(routing: torch.Tensor, weights: torch.Tensor | None, x: torch.Tensor,
                     call: RoutedMoECall) -> tuple[torch.Tensor, ...]:
     """``call``'s pipeline on these inputs (the buffers ``eager_graphs`` captures it over), output allocated."""
@@ -382,6 +391,13 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
     :func:`takes_token_major` says (or ``fused="token-major"``), the token-major kernels with each token's adapter
     (``routed_moe``'s token-major calls weight by the packed bf16(w) too, but agree with the tiled GEMMs to rounding
     only; so does ``torch.compile``'s tiled op with an eager token-major call)."""
+    if eager_graphs.takes_lora(call, _lora_eager_cost):
+        return eager_graphs.run_lora(call, _lora_experts_launches)
+    return _lora_experts_launches(call)
+
+
+def _lora_experts_launches(call: LoRAExpertsCall) -> torch.Tensor:
+    """:func:`lora_experts`' launches, into ``call.output``."""
     tiled = functools.partial(routed_moe, token_major=False)
     if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
         return lora_flow.lora_experts(call, tiled)

@@ -73,7 +73,7 @@ __all__ = ["ExpertParallelMoE", "DISPATCH_MODES"]
 DISPATCH_MODES = ("all_to_all", "allgather_reducescatter")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-_BANK_TENSORS = ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b")
+_BANK_TENSORS = moelab.LoRABank.TENSOR_NAMES
 
 
 def _reraise(error: Exception, note: str):
