@@ -5,7 +5,7 @@
 #      the base call, one rank-16 adapter (--lora 16) and a bank of 8 adapters of ranks 64/32/16/8 (tokens in turn)
 #      with the replays (MOELAB_EAGER_GRAPHS=1), then the two LoRA variants without them (=0)               <= 330 s
 # From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_lora_graphs.sh", timeout_s=590).
-# Files: env.txt, tests.log, host_lora_graphs.txt, host_lora_launches.txt.
+# Files: env.txt, tests.log, host_lora_graphs.txt, host_lora_launches.txt, copies.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
 OUT=${OUT:-build/device_lora_graphs}; mkdir -p "$OUT"
@@ -29,4 +29,23 @@ for v in variants:  # one process: the base and the LoRA calls on the same host
     runpy.run_path("scripts/host_cost.py", run_name="__main__")
 PY
 done
+el "the replay's input copies: copy_ per tensor against one torch._foreach_copy_ (host µs, no sync)"
+timeout -s INT 30 python3 - <<'PY' 2>&1 | tee "$OUT/copies.txt"
+import time, torch
+x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+small = [torch.zeros(1, 8, device="cuda", dtype=d) for d in (torch.int32, torch.float32, torch.int64)]
+for n in (2, 4):
+    src = [x, *small][:n]
+    dst = [torch.empty_like(t) for t in src]
+    for name, fn in (("copy_ each", lambda: [d.copy_(s) for d, s in zip(dst, src)]),
+                     ("_foreach_copy_", lambda: torch._foreach_copy_(dst, src))):
+        best = []
+        for _ in range(7):
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            for _ in range(300):
+                fn()
+            best.append((time.perf_counter() - t0) / 300 * 1e6)
+        torch.cuda.synchronize()
+        print(f"{n} input copies, {name}: {min(best):.1f} µs host per call")
+PY
 el done
