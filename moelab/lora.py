@@ -493,6 +493,8 @@ def check_ids_once(topk_ids: torch.Tensor | None, num_experts: int, bank: LoRABa
 
 def check_bank_layout(bank: LoRABank) -> None:
     """Every tensor of ``bank`` contiguous, as the kernels index them (a tensor assigned to the bank may not be)."""
+    if all(getattr(bank, name).is_contiguous() for name in _BANK_TENSORS):  # the eager calls' path: one pass
+        return
     for name in _BANK_TENSORS:
         _checks.check_contiguous(f"bank.{name}", getattr(bank, name))
 

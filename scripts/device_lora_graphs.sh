@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # LoRAExperts' eager decode calls replayed from CUDA graphs (moelab/backends/eager_graphs.py, run_lora), one H200 call:
-#   1. the GPU tests of the LoRA and graph paths                                                            <= 170 s
+#   1. the GPU tests of the LoRA and graph paths (TESTS: the files)                                         <= TESTS_S
 #   2. scripts/host_cost.py back to back, four layers in turn, T = 1, 8 and 32, in one process per setting:
 #      the base call, one rank-16 adapter (--lora 16) and a bank of 8 adapters of ranks 64/32/16/8 (tokens in turn)
-#      with the replays (MOELAB_EAGER_GRAPHS=1), then the two LoRA variants without them (=0)               <= 330 s
+#      with the replays (MOELAB_EAGER_GRAPHS=1), then the two LoRA variants without them (=0; RUNS=graphs:1
+#      leaves that out)                                                                                      <= 330 s
+#   3. scripts/host_time.py: a replayed LoRAExperts call's host time split by the functions it passes through <= 60 s
 # From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_lora_graphs.sh", timeout_s=590).
-# Files: env.txt, tests.log, host_lora_graphs.txt, host_lora_launches.txt, copies.txt.
+# Files: env.txt, tests.log, host_lora_graphs.txt, host_lora_launches.txt, host_split.txt, copies.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
 OUT=${OUT:-build/device_lora_graphs}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # el, gpu_tests, $OUT/env.txt
 el "GPU tests of the LoRA and graph paths"
-WORKERS=${WORKERS:-12} gpu_tests "${TESTS_S:-170}" tests/test_eager_graphs.py tests/test_experts.py \
-  tests/test_lora_banks.py tests/test_lora.py tests/test_token_major.py
+WORKERS=${WORKERS:-12} gpu_tests "${TESTS_S:-170}" ${TESTS:-tests/test_eager_graphs.py tests/test_experts.py \
+  tests/test_lora_banks.py tests/test_lora.py tests/test_token_major.py}
 SHAPES=${SHAPES:-"qwen3-30b-a3b;olmoe;gpt-oss-20b;64,6,2048,1408"}
-for run in graphs:1 launches:0; do
+for run in ${RUNS:-graphs:1 launches:0}; do
   IFS=: read -r name on <<< "$run"; name=host_lora_$name
   variants="base 16 64,32,16,8,64,32,16,8"; [ "$on" = 0 ] && variants="16 64,32,16,8,64,32,16,8"
   el "host cost, $name, MOELAB_EAGER_GRAPHS=$on: $variants"
@@ -29,6 +31,11 @@ for v in variants:  # one process: the base and the LoRA calls on the same host
     runpy.run_path("scripts/host_cost.py", run_name="__main__")
 PY
 done
+el "host time split"
+{ for v in "" 16 64,32,16,8,64,32,16,8; do
+    MOELAB_EAGER_GRAPHS=1 timeout -s INT 40 python3 scripts/host_time.py --shape qwen3-30b-a3b,olmoe --tokens 1,8 \
+      --calls 300 ${v:+--lora $v}
+  done; } 2>&1 | tee "$OUT/host_split.txt"
 el "the replay's input copies: copy_ per tensor against one torch._foreach_copy_ (host µs, no sync)"
 timeout -s INT 30 python3 - <<'PY' 2>&1 | tee "$OUT/copies.txt"
 import time, torch

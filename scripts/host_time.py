@@ -30,6 +30,13 @@ split is by the Python functions it passes through, each timed from entry to ret
     replay      ``CUDAGraph.replay``
     clone       ``Tensor.clone`` of the graph's output
     other       the rest: ``routed_moe``'s frames, the backend lookup, the dict lookup of the graph
+
+``--lora R[,R...]``: ``moelab.LoRAExperts`` calls instead (a bank of one adapter per rank given, token t on
+adapter t % len, ``has_lora=True``, ``validate=False``), where ``takes`` and ``key`` are ``takes_lora`` and
+``lora_key``, ``copies`` includes the copy into the module's output, and two phases more split the rest:
+
+    backend     the triton backend's ``lora_experts`` (takes, key, copies and replay are inside it)
+    module      ``LoRAExperts.forward`` around it: its checks, the output's allocation, the call's bundle
 """
 
 from __future__ import annotations
@@ -95,11 +102,11 @@ def _instrument():
     return events, undo
 
 
-def _instrument_graphs():
+def _instrument_graphs(lora: bool = False):
     """Wrap the functions a graph replay passes through (module docstring) so each adds its time to the returned
     dict; returns (times, undo)."""
     from moelab import moe
-    from moelab.backends import eager_graphs
+    from moelab.backends import eager_graphs, triton_backend
 
     times: dict[str, float] = {}
     clock = time.perf_counter
@@ -118,8 +125,10 @@ def _instrument_graphs():
         patched.append((owner, attr, fn))
 
     wrap(moe, "validate_call", "validate")
-    wrap(eager_graphs, "takes", "takes")
-    wrap(eager_graphs, "key", "key")
+    wrap(eager_graphs, "takes_lora" if lora else "takes", "takes")
+    wrap(eager_graphs, "lora_key" if lora else "key", "key")
+    if lora:
+        wrap(triton_backend, "lora_experts", "backend")
     wrap(torch.Tensor, "copy_", "copies")
     wrap(torch.cuda.CUDAGraph, "replay", "replay")
     wrap(torch.Tensor, "clone", "clone")
@@ -172,7 +181,7 @@ def _split(events: list, start: float, end: float) -> dict:
             "total": (end - start) * 1e6, "launches": names}
 
 
-def measure(shape: str, T: int, calls: int) -> None:
+def measure(shape: str, T: int, calls: int, lora_ranks: list[int] | None = None) -> None:
     from moelab.backends import eager_graphs
     eager_graphs.clear()  # held() > 0 after the warm-up: the calls replay a graph
     s = SHAPES[shape]
@@ -187,6 +196,19 @@ def measure(shape: str, T: int, calls: int) -> None:
 
     def call():
         return moelab.routed_moe(packed, x, W, num_experts=s.E, top_k=s.K, validate=False)[0]
+
+    if lora_ranks:  # LoRAExperts with a bank of those adapters (their values do not change the host's work)
+        bank = moelab.LoRABank(len(lora_ranks), s.E, s.H, s.I, max(lora_ranks), dtype=dt, device=dev)
+        for slot, r in enumerate(lora_ranks):
+            bank.set(slot, **{name: torch.zeros(s.E, *dims, dtype=dt, device=dev) for name, dims in (
+                ("gate_a", (r, s.H)), ("up_a", (r, s.H)), ("gate_b", (s.I, r)), ("up_b", (s.I, r)),
+                ("down_a", (r, s.I)), ("down_b", (s.H, r)))})
+        module = moelab.LoRAExperts(w13, w2, num_experts=s.E, top_k=s.K, lora=bank, backend="triton")
+        weights = torch.rand(T, s.K, device=dev, generator=g)
+        lora_ids = (torch.arange(T, device=dev) % len(lora_ranks)).int()
+
+        def call():  # noqa: F811 (the LoRA call replaces the base one)
+            return module(x, weights, ids, lora_ids, has_lora=True, validate=False)
 
     for _ in range(30):
         call()
@@ -208,7 +230,7 @@ def measure(shape: str, T: int, calls: int) -> None:
         plain.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     if eager_graphs.held():  # the calls replay a graph: split them by the functions they pass through
-        _graph_split(shape, T, call, calls, plain, gpu)
+        _graph_split(shape, T, call, calls, plain, gpu, bool(lora_ranks))
         return
     events, undo = _instrument()
     rows = []
@@ -231,8 +253,10 @@ def measure(shape: str, T: int, calls: int) -> None:
           flush=True)
 
 
-def _graph_split(shape: str, T: int, call, calls: int, plain: list[float], gpu: list[float]) -> None:
-    times, undo = _instrument_graphs()
+def _graph_split(shape: str, T: int, call, calls: int, plain: list[float], gpu: list[float],
+                 lora: bool = False) -> None:
+    times, undo = _instrument_graphs(lora)
+    phases = (*GRAPH_PHASES, "other", "module") if lora else (*GRAPH_PHASES, "other")
     rows = []
     try:
         for _ in range(calls):
@@ -241,16 +265,21 @@ def _graph_split(shape: str, T: int, call, calls: int, plain: list[float], gpu: 
             call()
             total = time.perf_counter() - t0
             row = {k: times.get(k, 0.0) * 1e6 for k in GRAPH_PHASES}
-            row["other"] = total * 1e6 - sum(row.values())
+            if lora:  # "other": the backend's rest; "module": LoRAExperts.forward around the backend
+                backend = times.get("backend", 0.0) * 1e6
+                row["other"] = backend - sum(row[k] for k in GRAPH_PHASES if k != "validate")
+                row["module"] = total * 1e6 - backend - row["validate"]
+            else:
+                row["other"] = total * 1e6 - sum(row.values())
             row["total"] = total * 1e6
             rows.append(row)
     finally:
         undo()
     torch.cuda.synchronize()
-    med = {k: statistics.median(r[k] for r in rows) for k in (*GRAPH_PHASES, "other", "total")}
-    print(f"{shape:15s} T={T:<5d} host {statistics.median(plain):7.1f} µs/call (p10 {_pct(plain, 10):.1f}, "
-          f"p90 {_pct(plain, 90):.1f}), a graph replay; instrumented {med['total']:.1f} = "
-          + " + ".join(f"{k} {med[k]:.1f}" for k in (*GRAPH_PHASES, "other"))
+    med = {k: statistics.median(r[k] for r in rows) for k in (*phases, "total")}
+    print(f"{shape:15s} T={T:<5d} {'LoRAExperts ' if lora else ''}host {statistics.median(plain):7.1f} µs/call "
+          f"(p10 {_pct(plain, 10):.1f}, p90 {_pct(plain, 90):.1f}), a graph replay; instrumented "
+          f"{med['total']:.1f} = " + " + ".join(f"{k} {med[k]:.1f}" for k in phases)
           + f"; GPU, one idle call: {statistics.median(gpu):.1f} µs", flush=True)
 
 
@@ -264,12 +293,13 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b,olmoe,mixtral,gpt-oss-20b")
     p.add_argument("--tokens", default="1")
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--lora", help="LoRAExperts with one adapter of each rank of this comma list (e.g. 16)")
     a = p.parse_args()
     print(f"moelab {moelab.__file__}, torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"{torch.cuda.get_device_name()}")
     for shape in a.shape.split(","):
         for T in (int(t) for t in a.tokens.split(",")):
-            measure(shape, T, a.calls)
+            measure(shape, T, a.calls, a.lora and [int(r) for r in a.lora.split(",")])
             torch.cuda.empty_cache()
 
 

@@ -168,6 +168,15 @@ def test_lora_ids_without_a_bank_are_refused():
             experts(torch.randn(3, H), w, ids, lora_ids)
 
 
+def test_a_bank_tensor_assigned_non_contiguous_is_named():
+    bank = bank_with()
+    experts = moelab.LoRAExperts(*weights(), num_experts=E, top_k=K, backend="torch", lora=bank)
+    w, ids = routing()
+    bank.up_b = bank.up_b.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, strides of the transpose
+    with pytest.raises(ValueError, match=r"bank\.up_b"):
+        experts(torch.randn(3, H), w, ids, torch.tensor([0, -1, 0]))
+
+
 def test_lora_experts_misleading_messages_fixed():
     experts = moelab.LoRAExperts(*weights(), num_experts=E, top_k=K, backend="torch", lora=bank_with())
     w, ids = routing()

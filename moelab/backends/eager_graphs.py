@@ -41,6 +41,7 @@ and ``MOELAB_EAGER_GRAPHS=0``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from collections.abc import Callable
 
@@ -139,11 +140,14 @@ def _weights_key(W: MoEWeights) -> tuple:
 
 
 def _bank_key(bank: LoRABank | None) -> tuple | None:
-    """A bank's tensors by address, its rank table too (brought up to date with ``bank.ranks`` first, as every
-    eager call does: a replay reads the table where it lives)."""
+    """A bank's sizes and dtype, and the address of each of its tensors and of its rank table (brought up to date
+    with ``bank.ranks`` first, as every eager call does: a replay reads the table where it lives). The tensors'
+    shapes follow from the sizes (``LoRABank`` allocates them contiguous)."""
     if bank is None:
         return None
-    return (*(_tensor_key(getattr(bank, name)) for name in LoRABank.TENSOR_NAMES), _tensor_key(bank.rank_table()))
+    return (bank.max_loras, bank.num_local_experts, bank.hidden_size, bank.intermediate_size, bank.max_rank,
+            bank.gate_a.dtype, bank.gate_a.data_ptr(), bank.gate_b.data_ptr(), bank.up_a.data_ptr(),
+            bank.up_b.data_ptr(), bank.down_a.data_ptr(), bank.down_b.data_ptr(), bank.rank_table().data_ptr())
 
 
 def key(call: RoutedMoECall, stream: torch.cuda.Stream) -> tuple:
@@ -163,7 +167,7 @@ def lora_key(call: LoRAExpertsCall, stream: torch.cuda.Stream) -> tuple:
     return ("lora", stream.cuda_stream, x.shape, x.dtype, ids.dtype, call.topk_weights.dtype, lora_ids,
             call.num_experts, call.top_k, call.local_expert_offset, call.fused, call.path,
             torch.is_inference_mode_enabled(), _runtime.DEBUG_DEAD_ROWS, _weights_key(call.weights),
-            _bank_key(call.lora), _bank_key(call.bank))
+            _bank_key(call.lora), call.bank is call.lora or _bank_key(call.bank))
 
 
 def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
@@ -225,12 +229,20 @@ def _capture(inputs: tuple[torch.Tensor | None, ...], buffers: tuple[torch.dtype
     if stream.cuda_stream not in _pools:
         _pools[stream.cuda_stream] = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    # the outer stream context puts the caller's stream back even when the capture's end raises; "thread_local":
-    # other threads (NCCL's watchdog polls CUDA events) go on while this one captures
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
-                                                     stream=_side_streams[device.index],
-                                                     capture_error_mode="thread_local"):
-        out = launches(*static)
+    # No cyclic garbage collection while capturing: a CUDA graph it frees (one the caller dropped) would run its
+    # destructor's CUDA calls in the capture, which invalidates it. The outer stream context puts the caller's
+    # stream back even when the capture's end raises; "thread_local": other threads (NCCL's watchdog polls CUDA
+    # events) go on while this one captures.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
+                                                         stream=_side_streams[device.index],
+                                                         capture_error_mode="thread_local"):
+            out = launches(*static)
+    finally:
+        if collecting:
+            gc.enable()
     return _Entry(graph, static, out)
 
 
