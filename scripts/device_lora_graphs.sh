@@ -5,7 +5,8 @@
 #      the base call, one rank-16 adapter (--lora 16) and a bank of 8 adapters of ranks 64/32/16/8 (tokens in turn)
 #      with the replays (MOELAB_EAGER_GRAPHS=1), then the two LoRA variants without them (=0; RUNS=graphs:1
 #      leaves that out)                                                                                      <= 330 s
-#   3. scripts/host_time.py: a replayed LoRAExperts call's host time split by the functions it passes through <= 60 s
+#   3. scripts/host_time.py: a replayed LoRAExperts call's host time split by the functions it passes through
+#      (SPLIT=0 leaves it out)                                                                               <= 60 s
 # From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_lora_graphs.sh", timeout_s=590).
 # Files: env.txt, tests.log, host_lora_graphs.txt, host_lora_launches.txt, host_split.txt, copies.txt.
 set -uo pipefail
@@ -31,8 +32,7 @@ for v in variants:  # one process: the base and the LoRA calls on the same host
     runpy.run_path("scripts/host_cost.py", run_name="__main__")
 PY
 done
-el "host time split"
-{ for v in "" 16 64,32,16,8,64,32,16,8; do
+[ "${SPLIT:-1}" = 1 ] && el "host time split" && { for v in "" 16 64,32,16,8,64,32,16,8; do
     MOELAB_EAGER_GRAPHS=1 timeout -s INT 40 python3 scripts/host_time.py --shape qwen3-30b-a3b,olmoe --tokens 1,8 \
       --calls 300 ${v:+--lora $v}
   done; } 2>&1 | tee "$OUT/host_split.txt"
@@ -54,5 +54,21 @@ for n in (2, 4):
             best.append((time.perf_counter() - t0) / 300 * 1e6)
         torch.cuda.synchronize()
         print(f"{n} input copies, {name}: {min(best):.1f} µs host per call")
+# the three small inputs of a LoRA call (ids int32, weights fp32, adapter ids int64) as one torch.cat of byte views
+small = [torch.zeros(1, 8, device="cuda", dtype=torch.int32), torch.rand(1, 8, device="cuda"),
+         torch.zeros(1, device="cuda", dtype=torch.int64)]
+flat = torch.empty(sum(t.numel() * t.element_size() for t in small), dtype=torch.uint8, device="cuda")
+dst = [torch.empty_like(t) for t in small]
+for name, fn in (("copy_ each", lambda: [d.copy_(s) for d, s in zip(dst, small)]),
+                 ("one torch.cat of byte views", lambda: torch.cat([t.view(-1).view(torch.uint8) for t in small],
+                                                                   out=flat))):
+    best = []
+    for _ in range(7):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(300):
+            fn()
+        best.append((time.perf_counter() - t0) / 300 * 1e6)
+    torch.cuda.synchronize()
+    print(f"3 small LoRA inputs, {name}: {min(best):.1f} µs host per call")
 PY
 el done

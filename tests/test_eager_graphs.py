@@ -301,16 +301,21 @@ def test_lora_calls_keep_their_launches_above_max_tokens_and_under_a_callers_cap
 
 
 def test_the_backend_weighs_a_lora_calls_eager_launches():
-    """One launch more on the token-major path where the batch has adapters (the W13 shrink); vLLM's flow and the
-    tiled paths count the base call's four."""
+    """One launch more on the token-major path where the batch has adapters (the W13 shrink); the fused tiles
+    count the base call's four, vLLM's flow its own (forced, or a wide bank past the adapter loop's crossover)."""
     device = "cuda" if CUDA else "cpu"
-    for fused, T_, lora, expect in [(None, 1, True, 3), (None, 1, False, 2), (False, 1, True, 4), (None, T, True, 4)]:
-        experts, *_, bank = _lora_module(fused, device=device)
+    flow = triton_backend.FLOW_LAUNCHES
+    wide = (16,) * 5  # 5 slots -> L_PAD 8, x R_PAD 16: 128 stacked columns
+    for fused, ranks, T_, lora, expect in [(None, (16, 8), 1, True, 3), (None, (16, 8), 1, False, 2),
+                                           (False, (16, 8), 1, True, flow), (False, (16, 8), 1, False, 4),
+                                           (None, (16, 8), T, True, 4), ("token-major", (16, 8), T, True, 3),
+                                           (None, wide, T, True, flow), ("adapter-loop", wide, T, True, 4)]:
+        experts, *_, bank = _lora_module(fused, ranks, device=device)
         x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device=device)
         call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank if lora else None,
-                               lora_ids if lora else None, experts.fused, None, bank)
+                               lora_ids if lora else None, experts.fused, experts._path, bank)
         expert_bytes, launches = triton_backend._lora_eager_cost(call)
-        assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (fused, T_, lora, launches)
+        assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (fused, ranks, T_, lora, launches)
 
 
 def test_no_lora_call_is_replayed_on_a_cpu(graphs):

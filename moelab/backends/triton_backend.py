@@ -363,13 +363,37 @@ def _eager_cost(call: RoutedMoECall) -> tuple[int, int]:
     return expert_bytes, 2 if token_major else 4
 
 
+#: Triton launches of vLLM's flow (``lora_flow``) at decode sizes, as ``scripts/host_cost.py`` counted them on the
+#: H200 (8 adapters, T = 8 and 32): the unfinalized routed MoE's three (segments, GEMM1, GEMM2) and the flow's four.
+FLOW_LAUNCHES = 7
+
+
 def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
-    """As :func:`_eager_cost`, for a ``lora_experts`` call: on the token-major path one launch more where the
-    batch has adapters (the W13 shrink), else 4 (the tiled paths launch at least the base call's four)."""
-    expert_bytes, launches = _eager_cost(call)
-    if launches == 2 and call.bank is not None and not call.fused:  # vLLM's flow: the tiled pipeline
-        launches = 4
+    """As :func:`_eager_cost`, for a ``lora_experts`` call: vLLM's flow ``FLOW_LAUNCHES``; the token-major path
+    one launch more where the batch has adapters (the W13 shrink); the fused tiles 4 (their decode mode; more
+    past it)."""
+    expert_bytes, launches = _eager_cost(call)  # 2: the token-major path, as the rule would take it
+    if call.path not in (None, "token-major") or (call.bank is not None and not call.fused):
+        launches = 4  # a forced tiled path, or a module whose bank takes the flow: its base calls stay tiled
+    elif call.path == "token-major":
+        launches = 2
+    if _lora_unfused(call) or (launches == 4 and _wide_past_crossover(call)):
+        return expert_bytes, FLOW_LAUNCHES
     return expert_bytes, launches + (1 if launches == 2 and call.lora is not None else 0)
+
+
+def _lora_unfused(call: LoRAExpertsCall) -> bool:
+    """Whether :func:`lora_experts` runs ``call`` through vLLM's flow whatever its size: a bank the module runs
+    unfused, or the base MoE under ``torch.compile`` (its one registered op)."""
+    return not (call.fused if call.lora is not None else not torch.compiler.is_compiling())
+
+
+def _wide_past_crossover(call: LoRAExpertsCall) -> bool:
+    """Whether ``call`` carries a bank too wide for the stacked modes, left to the module (no path forced), with
+    more routed rows per local expert than the adapter loop's crossover: vLLM's flow then takes it, unless the
+    token-major path does first."""
+    wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)
+    return wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts
 
 
 def _graph_pipeline(routing: torch.Tensor, weights: torch.Tensor | None, x: torch.Tensor,
@@ -399,13 +423,13 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
 def _lora_experts_launches(call: LoRAExpertsCall) -> torch.Tensor:
     """:func:`lora_experts`' launches, into ``call.output``."""
     tiled = functools.partial(routed_moe, token_major=False)
-    if not (call.fused if call.lora is not None else not torch.compiler.is_compiling()):
+    if _lora_unfused(call):
         return lora_flow.lora_experts(call, tiled)
     if _lora_token_major(call):
         return call.output
+    if _wide_past_crossover(call):
+        return lora_flow.lora_experts(call, tiled)
     wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)  # left to the module
-    if wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts:
-        return lora_flow.lora_experts(call, tiled)  # a wide bank past the adapter loop's crossover
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = _kernel_weights(call.topk_weights)
