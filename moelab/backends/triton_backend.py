@@ -369,17 +369,19 @@ FLOW_LAUNCHES = 7
 
 
 def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
-    """As :func:`_eager_cost`, for a ``lora_experts`` call: vLLM's flow ``FLOW_LAUNCHES``; the token-major path
-    one launch more where the batch has adapters (the W13 shrink); the fused tiles 4 (their decode mode; more
-    past it)."""
+    """As :func:`_eager_cost`, for a ``lora_experts`` call, counted as the module's call with adapters would run
+    eagerly whether this batch has any (so a batch without adapters replays or launches as one with them does,
+    and its rows stay bit for bit theirs): vLLM's flow ``FLOW_LAUNCHES``; the token-major path one launch more
+    (the W13 shrink); the fused tiles 4 (their decode mode; more past it)."""
     expert_bytes, launches = _eager_cost(call)  # 2: the token-major path, as the rule would take it
-    if call.path not in (None, "token-major") or (call.bank is not None and not call.fused):
-        launches = 4  # a forced tiled path, or a module whose bank takes the flow: its base calls stay tiled
+    bank = call.lora if call.lora is not None else call.bank
+    if call.path not in (None, "token-major") or (bank is not None and not call.fused):
+        launches = 4  # a forced tiled path, or a bank the module runs unfused
     elif call.path == "token-major":
         launches = 2
-    if _lora_unfused(call) or (launches == 4 and _wide_past_crossover(call)):
+    if (bank is not None and not call.fused) or (launches == 4 and _wide_past_crossover(call, bank)):
         return expert_bytes, FLOW_LAUNCHES
-    return expert_bytes, launches + (1 if launches == 2 and call.lora is not None else 0)
+    return expert_bytes, launches + (1 if launches == 2 and bank is not None else 0)
 
 
 def _lora_unfused(call: LoRAExpertsCall) -> bool:
@@ -388,11 +390,11 @@ def _lora_unfused(call: LoRAExpertsCall) -> bool:
     return not (call.fused if call.lora is not None else not torch.compiler.is_compiling())
 
 
-def _wide_past_crossover(call: LoRAExpertsCall) -> bool:
-    """Whether ``call`` carries a bank too wide for the stacked modes, left to the module (no path forced), with
-    more routed rows per local expert than the adapter loop's crossover: vLLM's flow then takes it, unless the
-    token-major path does first."""
-    wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)
+def _wide_past_crossover(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:
+    """Whether ``call`` with ``bank`` (``call.lora``, or the module's) is too wide for the stacked modes, left to the
+    module (no path forced), with more routed rows per local expert than the adapter loop's crossover: vLLM's
+    flow then takes it, unless the token-major path does first."""
+    wide = bank is not None and call.path is None and not stacked_fits(bank)
     return wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts
 
 
@@ -427,7 +429,7 @@ def _lora_experts_launches(call: LoRAExpertsCall) -> torch.Tensor:
         return lora_flow.lora_experts(call, tiled)
     if _lora_token_major(call):
         return call.output
-    if _wide_past_crossover(call):
+    if _wide_past_crossover(call, call.lora):
         return lora_flow.lora_experts(call, tiled)
     wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)  # left to the module
     if call.hidden_states.shape[0] == 0:
