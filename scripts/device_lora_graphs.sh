@@ -40,6 +40,18 @@ done
 el "the replay's input copies: copy_ per tensor against one torch._foreach_copy_ (host µs, no sync)"
 timeout -s INT 30 python3 - <<'PY' 2>&1 | tee "$OUT/copies.txt"
 import time, torch
+
+def host_us(fn, calls=300):
+    """Best of 7 rounds: host µs per call of fn, the GPU synchronized only around each round."""
+    best = []
+    for _ in range(7):
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return min(best)
+
 x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
 small = [torch.zeros(1, 8, device="cuda", dtype=d) for d in (torch.int32, torch.float32, torch.int64)]
 for n in (2, 4):
@@ -47,14 +59,7 @@ for n in (2, 4):
     dst = [torch.empty_like(t) for t in src]
     for name, fn in (("copy_ each", lambda: [d.copy_(s) for d, s in zip(dst, src)]),
                      ("_foreach_copy_", lambda: torch._foreach_copy_(dst, src))):
-        best = []
-        for _ in range(7):
-            torch.cuda.synchronize(); t0 = time.perf_counter()
-            for _ in range(300):
-                fn()
-            best.append((time.perf_counter() - t0) / 300 * 1e6)
-        torch.cuda.synchronize()
-        print(f"{n} input copies, {name}: {min(best):.1f} µs host per call")
+        print(f"{n} input copies, {name}: {host_us(fn):.1f} µs host per call")
 # the three small inputs of a LoRA call (ids int32, weights fp32, adapter ids int64) as one torch.cat of byte views
 small = [torch.zeros(1, 8, device="cuda", dtype=torch.int32), torch.rand(1, 8, device="cuda"),
          torch.zeros(1, device="cuda", dtype=torch.int64)]
@@ -63,13 +68,6 @@ dst = [torch.empty_like(t) for t in small]
 for name, fn in (("copy_ each", lambda: [d.copy_(s) for d, s in zip(dst, small)]),
                  ("one torch.cat of byte views", lambda: torch.cat([t.view(-1).view(torch.uint8) for t in small],
                                                                    out=flat))):
-    best = []
-    for _ in range(7):
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(300):
-            fn()
-        best.append((time.perf_counter() - t0) / 300 * 1e6)
-    torch.cuda.synchronize()
-    print(f"3 small LoRA inputs, {name}: {min(best):.1f} µs host per call")
+    print(f"3 small LoRA inputs, {name}: {host_us(fn):.1f} µs host per call")
 PY
 el done
