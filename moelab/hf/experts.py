@@ -128,6 +128,14 @@ def _probe_activation(module: nn.Module, gated: bool, interleaved: bool) -> tupl
     for name, alpha, limit in candidates:
         if _close(got, activate(gate, up, activation=name, swiglu_alpha=alpha, swiglu_limit=limit)):
             return name, alpha, limit
+    for name in ("silu", "gelu", "gelu_tanh"):
+        for limit in limits[1:]:
+            after = activate(None, gate, activation=name, gated=False).clamp(max=limit) * up.clamp(-limit, limit)
+            if _close(got, after):
+                raise UnsupportedExperts(
+                    f"{type(module).__name__}: its gate clamps after the activation, min({name}(gate), {limit:g}) * "
+                    f"clamp(up, -{limit:g}, {limit:g}) (Step-3.7's and Bailing-hybrid's order); moelab's swiglu_limit "
+                    f"clamps the gate before it (GPT-OSS's order), which differs wherever gate > {limit:g}")
     raise UnsupportedExperts(
         f"{type(module).__name__}: its gate ({'_apply_gate' if '_apply_gate' in type(module).__dict__ else 'act_fn'}"
         f") matches none of moelab's gated activations (silu, gelu, gelu_tanh with an optional clamp of gate <= L "

@@ -228,6 +228,12 @@ def _spec_of(experts: nn.Module, hidden_size: int | None) -> ExpertsSpec:
     """:func:`experts_spec` for decorated classes; undecorated 3-D experts (Llama-4) read from their shapes."""
     if is_experts_class(type(experts)):
         return experts_spec(experts)
+    decorated = next((c for c in type(experts).__mro__[1:] if is_experts_class(c)), None)
+    if decorated is not None:  # Ergo: per-route RMSNorms around its projections' decorated forward
+        raise UnsupportedExperts(
+            f"{type(experts).__name__}: its own forward wraps the decorated {decorated.__name__}.forward in more "
+            f"math (a norm of each route's output before the routing weight, not part of moelab's routed-MoE "
+            f"contract); model.set_experts_implementation('moelab') runs that inner {decorated.__name__} on moelab")
     if isinstance(experts, nn.ModuleList):
         from moelab.hf.modulelist import modulelist_spec
 

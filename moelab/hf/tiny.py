@@ -225,14 +225,18 @@ def tiny_causal_lm(family: str, *, dtype: torch.dtype = torch.float32, seed: int
     return model
 
 
-def tiny_experts(family: str, experts_cls: type, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """One experts module of ``experts_cls`` at toy sizes, weights ~N(0, 1/fan_in), biases non-zero."""
-    config = tiny_config(family, experts_cls)
+def tiny_experts(family: str, experts_cls: type, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 layer_idx: int = 0, **overrides):
+    """One experts module of ``experts_cls`` at toy sizes, weights ~N(0, 1/fan_in), biases non-zero
+    (``layer_idx``: for classes whose constructor takes one; ``overrides``: config attributes to set)."""
+    config = tiny_config(family, experts_cls, **overrides)
     config._experts_implementation = "eager"
     kwargs = {}
-    if isinstance(getattr(config, "moe_intermediate_size", None), (list, tuple)) and \
-            "intermediate_size" in inspect.signature(experts_cls.__init__).parameters:
+    parameters = inspect.signature(experts_cls.__init__).parameters
+    if isinstance(getattr(config, "moe_intermediate_size", None), (list, tuple)) and "intermediate_size" in parameters:
         kwargs["intermediate_size"] = SMALL["moe_intermediate_size"]  # per-modality sizes: the block passes one
+    if "layer_idx" in parameters and parameters["layer_idx"].default is inspect.Parameter.empty:
+        kwargs["layer_idx"] = layer_idx  # per-layer settings (Step-3.7's and Bailing-hybrid's SwiGLU limits)
     try:
         module = experts_cls(config, **kwargs)
     except Exception as e:
