@@ -244,12 +244,20 @@ def _lora_call(experts, x, w, ids, lora_ids):
     return experts(x, w, ids, lora_ids, has_lora=lora_ids is not None, validate=False)
 
 
+#: 5 slots of rank 16 -> L_PAD 8 x R_PAD 16 = 128 stacked columns, past the fused tiles' 64: the adapter loop at
+#: decode, vLLM's flow past its crossover.
+WIDE = (16,) * 5
+
+
 @needs_cuda
-@pytest.mark.parametrize("fused, T_", [(None, 1), (None, T), ("decode", T), ("adapter-loop", T), (False, T)])
-def test_lora_replays_match_the_reference_and_keep_base_rows_bit_for_bit(graphs, fused, T_):
+@pytest.mark.parametrize("fused, ranks, T_", [
+    (None, (16, 8), 1), (None, (16, 8), T), ("decode", (16, 8), T), ("tiles", (16, 8), T),
+    ("adapter-loop", (16, 8), T), ("token-major", (16, 8), 1), ("token-major", (16, 8), T), (False, (16, 8), T),
+    (None, WIDE, 1), (None, WIDE, 8)])  # T = 8 > 5 adapters + none: tokens without one too
+def test_lora_replays_match_the_reference_and_keep_base_rows_bit_for_bit(graphs, fused, ranks, T_):
     """Each path a LoRAExperts call can take, replayed with fresh inputs against the float64 reference, every
     element of the graph's output written; tokens without an adapter equal the replayed base call's rows."""
-    experts, w13, w2, bank = _lora_module(fused)
+    experts, w13, w2, bank = _lora_module(fused, ranks)
     for seed in range(3):  # the first call of each key captures, the others replay
         x, w, ids, lora_ids = _lora_inputs(seed, T_, bank.max_loras)
         for entry in graphs.values():
@@ -266,18 +274,48 @@ def test_lora_replays_match_the_reference_and_keep_base_rows_bit_for_bit(graphs,
 
 
 @needs_cuda
-def test_lora_replays_read_a_bank_slot_set_in_place_and_its_new_rank(graphs):
-    experts, w13, w2, bank = _lora_module(None)
-    x, w, ids, lora_ids = _lora_inputs(0, T, bank.max_loras)
+@pytest.mark.parametrize("fused, T_", [(None, T), (None, 1), ("adapter-loop", T), ("token-major", 1), (False, T)])
+@pytest.mark.parametrize("how", ["set", "ranks"])
+def test_lora_replays_read_a_bank_slot_set_in_place_and_its_new_rank(graphs, fused, T_, how):
+    """Slot 1 goes from rank 8 to 16 after the capture, by ``bank.set`` (in place, table included) or by writing
+    its tensors and assigning ``bank.ranks`` (as ``LoRABank.load`` and expert-parallel rebalancing do): the replay
+    reads all 16 columns (a stale rank table would read 8 and miss the reference)."""
+    experts, w13, w2, bank = _lora_module(fused)
+    x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras)
+    lora_ids.fill_(1)
     _lora_call(experts, x, w, ids, lora_ids)
     from test_experts import random_adapters
 
-    new = random_adapters(1, E, H, I, [16], seed=7)[0]  # slot 1: rank 8 -> 16, new values
-    bank.set(1, scaling=0.5, **{k: v.to(torch.bfloat16).cuda() for k, v in new.items()})
+    new = {k: v.to(torch.bfloat16).cuda() for k, v in random_adapters(1, E, H, I, [16], seed=7)[0].items()}
+    if how == "set":
+        bank.set(1, scaling=0.5, **new)
+    else:
+        for name, value in new.items():
+            getattr(bank, name)[1].copy_(value * (0.5 if name.endswith("_b") else 1.0))
+        bank.ranks = [16, 16]
     out = _lora_call(experts, x, w, ids, lora_ids)
     assert len(graphs) == 1
-    assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
-                              torch.bfloat16, "after bank.set")
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+    assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the new adapter must matter for this test"
+    assert_close_to_reference(out, ref["output"], torch.bfloat16, f"after bank.{how}")
+
+
+@needs_cuda
+def test_modules_sharing_weights_with_other_banks_or_paths_get_graphs_of_their_own(graphs):
+    """Three LoRAExperts on the same w13/w2: two banks, and the first bank unfused; each call its own graph and
+    its own bank's result, and the first module's replay stays bit for bit its capture's."""
+    first, w13, w2, bank = _lora_module(None)
+    _, _, _, other = _lora_module(None, ranks=(8, 16), seed=1)
+    second = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=other, backend="triton")
+    unfused = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused=False)
+    x, w, ids, lora_ids = _lora_inputs(0, T, bank.max_loras)
+    outs = [_lora_call(m, x, w, ids, lora_ids) for m in (first, second, unfused)]
+    assert len(graphs) == 3
+    for out, b, what in zip(outs, (bank, other, bank), ("first", "second", "unfused")):
+        ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, b)["output"]
+        assert_close_to_reference(out, ref, torch.bfloat16, what)
+    assert not torch.equal(outs[0], outs[1])
+    assert torch.equal(_lora_call(first, x, w, ids, lora_ids), outs[0]) and len(graphs) == 3
 
 
 @needs_cuda

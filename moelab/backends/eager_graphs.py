@@ -15,8 +15,9 @@ capturing), which agree with the eager kernels to rounding only.
 
 ``LoRAExperts`` calls on the triton backend replay the same way (:func:`takes_lora`, :func:`run_lora`): their
 inputs are x, the ids, the weights and the adapter ids, each copied into a buffer of the caller's dtype, and the
-graph holds whatever launches the backend runs for the call (the token-major kernels with the bank, the fused
-tiles, or vLLM's flow), so each call computes the bits of that path in a CUDA graph. Their key adds the dtypes of
+graph holds the launches the backend's rule picks for the call while capturing (in a graph mostly the fused decode
+kernels or tiles; the token-major kernels only at T = 1 with large experts or when forced; the adapter loop or
+vLLM's flow for wide banks), so each call computes the bits of that path in a CUDA graph. Their key adds the dtypes of
 those inputs, whether the batch has adapters, the path options, and each tensor of the bank (and of the module's
 bank) by address, shape and dtype, its rank table too: ``LoRABank.set`` writes a slot in place and is read by the
 next replay; an assigned ``bank.ranks`` reaches the table at the next call, as on the launches.
@@ -29,6 +30,11 @@ address, shape and dtype. A replay reads the
 weights where the key says they are, so a call whose weights live there reads its own weights; weights updated in
 place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the oldest goes) or :func:`clear`.
 Each holds its static buffers (T x H inputs and output) and its share of the pool.
+
+Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
+thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
+``moelab.kernels.moe_gemm``). A graph holds the path its capture chose; after changing one of them, call
+:func:`clear` so the next call captures the new path.
 
 Not taken (the call runs its launches as before): experts expected to weigh more than ``MAX_BYTES_PER_LAUNCH`` per
 eager launch (the GPU's work hides the launches there), T above ``MAX_TOKENS`` or 0, an ``output`` not asked for
@@ -145,8 +151,10 @@ def _bank_key(bank: LoRABank | None) -> tuple | None:
     shapes follow from the sizes (``LoRABank`` allocates them contiguous)."""
     if bank is None:
         return None
-    return (bank.max_loras, bank.num_local_experts, bank.hidden_size, bank.intermediate_size, bank.max_rank,
-            bank.gate_a.dtype, bank.gate_a.data_ptr(), bank.gate_b.data_ptr(), bank.up_a.data_ptr(),
+    # bank.rank_table() is load-bearing, not just an address: it copies ranks assigned since the last call
+    # (bank.ranks = ..., LoRABank.load, expert-parallel rebalancing) into the table before a capture or replay
+    return (bank.gate_a.device, bank.max_loras, bank.num_local_experts, bank.hidden_size, bank.intermediate_size,
+            bank.max_rank, bank.gate_a.dtype, bank.gate_a.data_ptr(), bank.gate_b.data_ptr(), bank.up_a.data_ptr(),
             bank.up_b.data_ptr(), bank.down_a.data_ptr(), bank.down_b.data_ptr(), bank.rank_table().data_ptr())
 
 
