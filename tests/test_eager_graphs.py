@@ -26,6 +26,8 @@ def graphs(monkeypatch):
     monkeypatch.setattr(eager_graphs, "ENABLED", True)
     monkeypatch.setattr(eager_graphs, "_graphs", {})
     monkeypatch.setattr(eager_graphs, "_pools", {})
+    monkeypatch.setattr(eager_graphs, "_sightings", {})
+    monkeypatch.setattr(eager_graphs, "_in_place_held", {})
     yield eager_graphs._graphs
     eager_graphs._graphs.clear()  # freed now, not by a later collection (a failed test's traceback holds the dict)
 
@@ -365,3 +367,133 @@ def test_no_lora_call_is_replayed_on_a_cpu(graphs):
     W = moelab.prepare_weights(w13, w2, backend="torch")  # a GPU box runs no triton kernels on CPU tensors
     call = LoRAExpertsCall(x, ids, w, W, E, K, 0, torch.empty_like(x), bank, lora_ids, True, None, bank)
     assert not eager_graphs.takes_lora(call, lambda c: (0, 4))
+
+
+# ------------------------------------------------------------------------------------- in-place replays
+
+class _FakeGraph:
+    """A stand-in CUDA graph on the CPU: its replay runs the captured launches again on the captured tensors."""
+
+    def __init__(self, run):
+        self.run, self.replays = run, 0
+
+    def replay(self):
+        self.replays += 1
+        self.run()
+
+
+@pytest.fixture
+def fake_graphs(graphs, monkeypatch):
+    """eager_graphs' replay policy on the CPU: ``_capture`` records launches of ``out = x * scale`` (``scale``
+    int32: the buffers' dtype) on the tensors it is given, and counts them."""
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", True)
+    captured = []
+
+    def fake_capture(static, stream, launches, out=None):
+        result = launches(*static, out=out)
+        captured.append(static)
+        return eager_graphs._Entry(_FakeGraph(lambda: launches(*static, out=result)), static, result)
+
+    monkeypatch.setattr(eager_graphs, "_capture", fake_capture)
+    return captured
+
+
+def _scale(x, scale, out=None):
+    out = torch.empty_like(x) if out is None else out
+    return torch.mul(x, scale, out=out)
+
+
+def _fake_replay(x, scale, output=None, key=("k",)):
+    return eager_graphs._replay(key, None, (x, scale), (x.dtype, torch.int32), _scale, output, x.shape)
+
+
+def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs, graphs):
+    x, scale, out = torch.randn(4, 8), torch.full((4, 1), 3, dtype=torch.int32), torch.empty(4, 8)
+    for call in range(5):  # call 0: the copy graph; call 1: the same addresses again, an in-place graph
+        x.normal_()
+        got = _fake_replay(x, scale, out)
+        assert got is out and torch.equal(out, x * 3), call
+        assert len(fake_graphs) == min(call + 1, 2)
+    assert fake_graphs[1][0] is x  # the in-place graph read the caller's x itself
+    in_place = graphs[("in place", ("k",), (x.data_ptr(), scale.data_ptr()), out.data_ptr())]
+    assert in_place.inputs == () and in_place.out is None and in_place.graph.replays == 4
+    other = torch.empty(4, 8)  # another output: counted anew, served by the copy graph meanwhile
+    assert torch.equal(_fake_replay(x, scale, other), x * 3) and len(fake_graphs) == 2
+
+
+def test_inputs_unlike_the_buffers_keep_the_copies(fake_graphs):
+    x, out = torch.randn(8, 4).t(), torch.empty(4, 8)  # not contiguous
+    scale64 = torch.full((4, 1), 2, dtype=torch.int64)  # the buffer is int32
+    for inputs in [(x, torch.full((4, 1), 2, dtype=torch.int32)), (x.contiguous(), scale64)]:
+        for _ in range(4):
+            assert torch.equal(_fake_replay(*inputs, out, key=(inputs[1].dtype,)), inputs[0] * 2)
+    assert len(fake_graphs) == 2  # one copy graph per key, never an in-place one
+
+
+def test_in_place_graphs_per_key_are_bounded_and_evicted_with_their_count(fake_graphs, graphs, monkeypatch):
+    x, scale = torch.randn(2, 8), torch.full((2, 1), 5, dtype=torch.int32)
+    outs = [torch.empty(2, 8) for _ in range(eager_graphs.MAX_IN_PLACE_PER_KEY + 2)]
+    for _ in range(3):
+        for out in outs:
+            assert torch.equal(_fake_replay(x, scale, out), x * 5)
+    assert len(fake_graphs) == 1 + eager_graphs.MAX_IN_PLACE_PER_KEY  # the copy graph and the bound's in-place ones
+    assert eager_graphs._in_place_held[("k",)] == eager_graphs.MAX_IN_PLACE_PER_KEY
+    monkeypatch.setattr(eager_graphs, "MAX_GRAPHS", len(graphs))
+    _fake_replay(x, scale, key=("another",))  # evicts the oldest: the copy graph of ("k",)
+    _fake_replay(x, scale, key=("a third",))  # and then its first in-place graph, whose count goes with it
+    assert eager_graphs._in_place_held[("k",)] == eager_graphs.MAX_IN_PLACE_PER_KEY - 1
+
+
+def test_in_place_is_off_by_default_and_then_only_copies(graphs, monkeypatch):
+    assert eager_graphs.IN_PLACE is (__import__("os").environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE") == "1")
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", False)
+    captured = []
+    monkeypatch.setattr(eager_graphs, "_capture", lambda static, stream, launches, out=None: captured.append(
+        static) or eager_graphs._Entry(_FakeGraph(lambda: None), static, launches(*static, out=out)))
+    x, scale, out = torch.randn(4, 8), torch.full((4, 1), 3, dtype=torch.int32), torch.empty(4, 8)
+    for _ in range(4):
+        _fake_replay(x, scale, out)
+    assert len(captured) == 1 and captured[0][0] is not x
+
+
+@needs_cuda
+@pytest.mark.parametrize("lora", [False, True])
+def test_in_place_replays_match_the_copies_bit_for_bit_and_hold_no_input(graphs, monkeypatch, lora):
+    """A decode loop's call site: the same x, routing (and, for the base call, output) tensors written anew before
+    each call, and LoRAExperts' own output freed after each. Once the addresses came back ``IN_PLACE_AFTER`` times
+    the replay reads and writes them where they lie; every output equals the copy graph's bits on the same inputs
+    and the float64 reference, and no graph keeps the caller's tensors alive."""
+    import weakref
+
+    if lora:
+        experts, w13, w2, bank = _lora_module(None)
+        x, w, ids, lora_ids = _lora_inputs(0, T, bank.max_loras)
+    else:
+        w13, w2, W = _weights(0)
+        x, ids, w = _inputs(0)
+        packed, out = moelab.pack_topk_ids_weights(ids, w), torch.empty_like(x)
+
+    def call(x):
+        if lora:
+            return experts(x, w, ids, lora_ids, has_lora=True, validate=False)
+        return _moe(packed, x, W, output=out)
+
+    for seed in range(4):
+        fresh_x, fresh_ids, fresh_w = _inputs(seed)
+        x.copy_(fresh_x), ids.copy_(fresh_ids), w.copy_(fresh_w)
+        if lora:
+            ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"]
+        else:
+            packed.copy_(moelab.pack_topk_ids_weights(ids, w))
+            ref = _reference(x, ids, w, w13, w2)
+        monkeypatch.setattr(eager_graphs, "IN_PLACE", False)
+        copied = call(x).clone()
+        monkeypatch.setattr(eager_graphs, "IN_PLACE", True)
+        got = call(x)
+        assert torch.equal(got, copied), f"call {seed}: in place against the copies"
+        assert_close_to_reference(got, ref, torch.bfloat16, f"call {seed}")
+        del got, copied  # LoRAExperts' next output may take this one's block, as in a decode loop
+    assert any(k[0] == "in place" for k in graphs), "the addresses came back, but no in-place graph was captured"
+    probe = weakref.ref(x)
+    del x
+    assert probe() is None, "a graph keeps the caller's input alive"

@@ -31,6 +31,13 @@ weights where the key says they are, so a call whose weights live there reads it
 place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the oldest goes) or :func:`clear`.
 Each holds its static buffers (T x H inputs and output) and its share of the pool.
 
+With ``MOELAB_EAGER_GRAPHS_IN_PLACE=1`` (``IN_PLACE``; off by default: not yet measured on a GPU) a call whose
+inputs and output lie where an earlier call's did (``IN_PLACE_AFTER`` times, as a decode loop's caching allocator
+hands a layer the same blocks step after step) replays a graph of its own that reads those tensors and writes the
+output where they lie: no copies in, no clone out, the host's work a key, a lookup and the replay. Its key adds the
+addresses; it holds no reference to the caller's tensors; inputs of another dtype than the buffers', strided or
+not 16-byte aligned keep the copies, and so do addresses past ``MAX_IN_PLACE_PER_KEY`` graphs of one key.
+
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
 thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
 ``moelab.kernels.moe_gemm``). A graph holds the path its capture chose; after changing one of them, call
@@ -74,8 +81,20 @@ MAX_TOKENS = 32
 MAX_BYTES_PER_LAUNCH = 280 * 2**20
 #: Graphs held at once (the oldest goes first).
 MAX_GRAPHS = 512
+#: In-place replays (``MOELAB_EAGER_GRAPHS_IN_PLACE=1``; off until measured on a GPU): a call whose inputs and
+#: output lie where an earlier call's did replays a graph that reads them there and writes the output there, with
+#: no copy in or out. Such a graph is captured once the same addresses came ``IN_PLACE_AFTER`` times (a decode
+#: loop's caching allocator hands each layer the same blocks step after step), at most ``MAX_IN_PLACE_PER_KEY``
+#: per key; every other call takes the copies.
+IN_PLACE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE", "0") == "1"
+IN_PLACE_AFTER = 2
+MAX_IN_PLACE_PER_KEY = 4
+#: Address sets counted at once before they earn a graph (all forgotten past it).
+MAX_SIGHTINGS = 4096
 
 _graphs: dict[tuple, _Entry] = {}
+_sightings: dict[tuple, int] = {}  # in-place key -> calls seen at those addresses without a graph
+_in_place_held: dict[tuple, int] = {}  # key -> its in-place graphs held
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
 
@@ -186,10 +205,10 @@ def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
     routing, weights = (call.packed, None) if call.packed is not None else call.topk
     buffers = (x.dtype, torch.int32, None if weights is None else weights.dtype)  # as the pipeline reads them
 
-    def launches(static_x, static_routing, static_weights):
-        return pipeline(static_routing, static_weights, static_x, call)[0]
+    def launches(static_x, static_routing, static_weights, out=None):
+        return pipeline(static_routing, static_weights, static_x, call, out)[0]
 
-    return _replay(key(call, stream), stream, (x, routing, weights), buffers, launches, call.output)
+    return _replay(key(call, stream), stream, (x, routing, weights), buffers, launches, call.output, x.shape)
 
 
 def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], torch.Tensor]) -> torch.Tensor:
@@ -200,25 +219,30 @@ def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], to
     inputs = (x, call.topk_ids, call.topk_weights, call.lora_ids)
     buffers = tuple(None if t is None else t.dtype for t in inputs)  # as the caller gave them
 
-    def launches(static_x, static_ids, static_weights, static_lora_ids):
-        out = torch.empty_like(call.output, memory_format=torch.contiguous_format)
+    def launches(static_x, static_ids, static_weights, static_lora_ids, out=None):
+        if out is None:
+            out = torch.empty_like(call.output, memory_format=torch.contiguous_format)
         return lora_experts(dataclasses.replace(call, hidden_states=static_x, topk_ids=static_ids,
                                                 topk_weights=static_weights, lora_ids=static_lora_ids, output=out))
 
-    return _replay(lora_key(call, stream), stream, inputs, buffers, launches, call.output)
+    return _replay(lora_key(call, stream), stream, inputs, buffers, launches, call.output, call.output.shape)
 
 
 def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
             buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
-            output: torch.Tensor | None) -> torch.Tensor:
+            output: torch.Tensor | None, out_shape: torch.Size) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers (of dtypes ``buffers``; None: no input), replay, and return a copy
-    of its output (or ``output`` written). A new key captures ``launches(*buffers)`` first."""
+    of its output (or ``output`` written). A new key captures ``launches(*buffers)`` first. With ``IN_PLACE``,
+    :func:`_replay_in_place` first (``out_shape``: the output's, in ``inputs[0]``'s dtype)."""
+    if IN_PLACE:
+        if output is None:  # the caller's new output; where it lies decides the in-place graph, as the inputs do
+            output = torch.empty(out_shape, dtype=inputs[0].dtype, device=inputs[0].device)
+        if _replay_in_place(entry_key, stream, inputs, buffers, launches, output):
+            return output
     entry = _graphs.get(entry_key)
     if entry is None:
-        entry = _capture(inputs, buffers, stream, launches)
-        if len(_graphs) >= MAX_GRAPHS:
-            del _graphs[next(iter(_graphs))]
-        _graphs[entry_key] = entry
+        entry = _capture(_buffers_like(inputs, buffers), stream, launches)
+        _hold(entry_key, entry)
     for static, given in zip(entry.inputs, inputs):
         if given is not None:
             static.copy_(given)
@@ -226,12 +250,58 @@ def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Ten
     return entry.out.clone() if output is None else output.copy_(entry.out)
 
 
-def _capture(inputs: tuple[torch.Tensor | None, ...], buffers: tuple[torch.dtype | None, ...],
-             stream: torch.cuda.Stream, launches: Callable[..., torch.Tensor]) -> _Entry:
-    """A graph of ``launches`` over contiguous input buffers of its own, shaped as ``inputs``."""
+def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
+                     buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
+                     output: torch.Tensor) -> bool:
+    """Whether ``output`` was written by replaying a graph that reads ``inputs`` and writes ``output`` where they
+    lie now. Not (False) for an input or output not as the buffers would hold it (dtype, contiguous, 16-byte
+    aligned: the kernels then specialise as on the buffers, so both graphs compute the same bits), addresses not
+    yet seen ``IN_PLACE_AFTER`` times, or ``MAX_IN_PLACE_PER_KEY`` graphs of the key held. The graph holds no
+    reference to those tensors (one would keep their blocks from coming back to the next call)."""
+    for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
+        if t is not None and (t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16):
+            return False
+    placed = ("in place", entry_key, tuple(0 if t is None else t.data_ptr() for t in inputs), output.data_ptr())
+    entry = _graphs.get(placed)
+    if entry is None:
+        seen = _sightings.get(placed, 0) + 1
+        if seen < IN_PLACE_AFTER or _in_place_held.get(entry_key, 0) >= MAX_IN_PLACE_PER_KEY:
+            if len(_sightings) >= MAX_SIGHTINGS:
+                _sightings.clear()
+            _sightings[placed] = seen
+            return False
+        _sightings.pop(placed, None)
+        entry = _capture(inputs, stream, launches, output)
+        entry.inputs, entry.out = (), None  # nothing of the caller's stays alive through the entry
+        _hold(placed, entry)
+        _in_place_held[entry_key] = _in_place_held.get(entry_key, 0) + 1
+    entry.graph.replay()
+    return True
+
+
+def _hold(entry_key: tuple, entry: _Entry) -> None:
+    """Keep ``entry`` under its key; past ``MAX_GRAPHS`` the oldest goes."""
+    if len(_graphs) >= MAX_GRAPHS:
+        oldest = next(iter(_graphs))
+        del _graphs[oldest]
+        if oldest[0] == "in place":
+            _in_place_held[oldest[1]] -= 1
+    _graphs[entry_key] = entry
+
+
+def _buffers_like(inputs: tuple[torch.Tensor | None, ...],
+                  buffers: tuple[torch.dtype | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """Contiguous input buffers of the graph's own, shaped as ``inputs``, of dtypes ``buffers``."""
     device = inputs[0].device
-    static = tuple(None if t is None else torch.empty(t.shape, dtype=dtype, device=device)
-                   for t, dtype in zip(inputs, buffers))
+    return tuple(None if t is None else torch.empty(t.shape, dtype=dtype, device=device)
+                 for t, dtype in zip(inputs, buffers))
+
+
+def _capture(static: tuple[torch.Tensor | None, ...], stream: torch.cuda.Stream,
+             launches: Callable[..., torch.Tensor], out: torch.Tensor | None = None) -> _Entry:
+    """A graph of ``launches`` over the tensors ``static`` (its output allocated in the graph's pool, or written
+    to ``out``)."""
+    device = static[0].device
     if device.index not in _side_streams:
         _side_streams[device.index] = torch.cuda.Stream(device)
     if stream.cuda_stream not in _pools:
@@ -247,7 +317,7 @@ def _capture(inputs: tuple[torch.Tensor | None, ...], buffers: tuple[torch.dtype
         with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
                                                          stream=_side_streams[device.index],
                                                          capture_error_mode="thread_local"):
-            out = launches(*static)
+            out = launches(*static, out=out)
     finally:
         if collecting:
             gc.enable()
@@ -258,6 +328,8 @@ def clear() -> None:
     """Drop every captured graph and its buffers (their memory returns to torch's allocator)."""
     _graphs.clear()
     _pools.clear()
+    _sightings.clear()
+    _in_place_held.clear()
 
 
 def held() -> int:

@@ -399,11 +399,12 @@ def _wide_past_crossover(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:
 
 
 def _graph_pipeline(routing: torch.Tensor, weights: torch.Tensor | None, x: torch.Tensor,
-                    call: RoutedMoECall) -> tuple[torch.Tensor, ...]:
-    """``call``'s pipeline on these inputs (the buffers ``eager_graphs`` captures it over), output allocated."""
+                    call: RoutedMoECall, output: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``call``'s pipeline on these inputs (the buffers ``eager_graphs`` captures it over), into ``output`` or an
+    output allocated."""
     W = call.weights
     return _pipeline(routing, weights, x, W.gemm1_weights, W.gemm2_weights, call.num_experts,
-                     call.local_expert_offset, None, True, expert=_expert_options(W), w13_bias=W.gemm1_bias,
+                     call.local_expert_offset, None, True, output, expert=_expert_options(W), w13_bias=W.gemm1_bias,
                      w2_bias=W.gemm2_bias, weight_on_input=call.apply_router_weight_on_input, token_major=True)
 
 
