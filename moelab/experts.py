@@ -188,6 +188,57 @@ class LoRAExperts(nn.Module):
             >>> out.shape, torch.equal(out[1], experts(x, weights, ids, None)[1])
             (torch.Size([3, 32]), True)
         """
+        plain = self._plain_call_ok(hidden_states, topk_weights, topk_ids, lora_ids)
+        if plain:
+            x = hidden_states.contiguous()  # every check below would pass (decode calls are host-bound)
+        else:
+            x = self._checked(hidden_states, topk_weights, topk_ids, lora_ids)
+        output = torch.empty(x.shape[0], self.weights.hidden_size, dtype=x.dtype, device=x.device)
+        if validate:  # expert ids, and adapter ids in [-1, L) naming set slots (fast path or not): one host read
+            check_ids_once(topk_ids, self.num_experts, self.lora, lora_ids)
+        if lora_ids is not None:
+            if has_lora is None and lora_ids.device.type == "cpu":
+                has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
+        with_lora = lora_ids is not None and has_lora is not False
+        if with_lora:
+            if lora_ids.device != x.device:
+                lora_ids = lora_ids.to(x.device, non_blocking=True)
+            if not plain:  # the rest of check_lora_routing was checked above (ids, shapes, offset)
+                check_bank_layout(self.lora)
+                check_same_device(hidden_states=x, lora_ids=lora_ids, bank=self.lora.gate_a)
+        call = LoRAExpertsCall(x, topk_ids, topk_weights, self.weights, self.num_experts,
+                               self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,
+                               lora_ids if with_lora else None, self.fused, self._path, self.lora)
+        return get_backend(self.backend).lora_experts(call)
+
+    def _plain_call_ok(self, hidden_states, topk_weights, topk_ids, lora_ids) -> bool:
+        """True when every check of :meth:`_checked` would pass (False says nothing: those checks then name what is
+        wrong), in one expression: the checks one by one cost a decode call more host time than its GPU work."""
+        W, top_k = self.weights, self.top_k
+        w = W.gemm1_weights
+        if not (type(hidden_states) is torch.Tensor and type(topk_weights) is torch.Tensor
+                and type(topk_ids) is torch.Tensor and type(self.num_experts) is int and type(top_k) is int
+                and type(self.local_expert_offset) is int):
+            return False
+        shape = (hidden_states.shape[0], top_k) if hidden_states.dim() == 2 else None
+        if not (W.num_local_experts <= self.num_experts <= MAX_EXPERTS and 1 <= top_k <= self.num_experts
+                and 0 <= self.local_expert_offset <= self.num_experts - W.num_local_experts
+                and shape is not None and hidden_states.dtype == w.dtype and hidden_states.shape[1] == W.hidden_size
+                and hidden_states.device == w.device and topk_ids.dtype in INT_DTYPES and topk_ids.shape == shape
+                and topk_ids.device == w.device and topk_weights.dtype in FLOAT_DTYPES
+                and topk_weights.shape == shape and topk_weights.device == w.device):
+            return False
+        bank = self.lora
+        return lora_ids is None or (bank is not None and type(lora_ids) is torch.Tensor
+                                    and lora_ids.dtype in INT_DTYPES and lora_ids.shape == shape[:1]
+                                    and bank.gate_a.device == w.device and bank.gate_a.is_contiguous()
+                                    and bank.gate_b.is_contiguous() and bank.up_a.is_contiguous()
+                                    and bank.up_b.is_contiguous() and bank.down_a.is_contiguous()
+                                    and bank.down_b.is_contiguous())
+
+    def _checked(self, hidden_states, topk_weights, topk_ids, lora_ids) -> torch.Tensor:
+        """The call's argument checks one by one, each naming what is wrong (the bank's layout and device: in
+        :meth:`forward`, where the batch has adapters); returns ``hidden_states`` contiguous."""
         check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
         check_dtype("hidden_states", hidden_states, self.weights.dtype, "the weights")
         check_tensor("topk_weights", topk_weights, ndim=2)
@@ -197,26 +248,9 @@ class LoRAExperts(nn.Module):
                 raise ValueError("lora_ids: this LoRAExperts has no LoRABank (lora=None), so no adapter can apply; "
                                  "pass lora_ids=None, or build it with lora=moelab.LoRABank(...)")
             check_tensor("lora_ids", lora_ids, dtypes=INT_DTYPES, ndim=1)
-        T = check_same_rows(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids,
-                            lora_ids=lora_ids)
-        output = torch.empty(T, self.weights.hidden_size, dtype=hidden_states.dtype, device=hidden_states.device)
+        check_same_rows(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids, lora_ids=lora_ids)
         # The checks routed_moe and the deltas make, once, before any launch (the backend trusts its call).
-        check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=False)  # ids: below
+        check_routing(topk_ids, topk_weights, num_experts=self.num_experts, validate=False)  # ids: forward
         weights = topk_weights.float() if topk_weights.dtype == torch.float64 else topk_weights
-        # output=None: validate_call's one-predicate path for well-formed calls (the output above is ours)
-        moe = validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
-                            self.local_expert_offset, None, True, None, validate=False)
-        if validate:  # expert ids, and adapter ids in [-1, L) naming set slots (fast path or not): one host read
-            check_ids_once(topk_ids, self.num_experts, self.lora, lora_ids)
-        if lora_ids is not None:
-            if has_lora is None and lora_ids.device.type == "cpu":
-                has_lora = bool((lora_ids >= 0).any())  # host memory: no device sync
-        with_lora = lora_ids is not None and has_lora is not False
-        if with_lora:
-            lora_ids = lora_ids.to(hidden_states.device, non_blocking=True)
-            check_bank_layout(self.lora)  # the rest of check_lora_routing was checked above (ids, shapes, offset)
-            check_same_device(hidden_states=hidden_states, lora_ids=lora_ids, bank=self.lora.gate_a)
-        call = LoRAExpertsCall(moe.hidden_states, topk_ids, topk_weights, self.weights, self.num_experts,
-                               self.top_k, self.local_expert_offset, output, self.lora if with_lora else None,
-                               lora_ids if with_lora else None, self.fused, self._path, self.lora)
-        return get_backend(self.backend).lora_experts(call)
+        return validate_call((topk_ids, weights), hidden_states, self.weights, self.num_experts, self.top_k,
+                             self.local_expert_offset, None, True, None, validate=False).hidden_states

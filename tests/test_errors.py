@@ -484,3 +484,35 @@ def test_fuzz_lora_experts_valid_matches_reference_invalid_raises(T, seed, spoil
         return  # no element carries the bad value
     with pytest.raises((TypeError, ValueError)):
         experts(args["x"], args["w"], args["ids"], args["lora_ids"])
+
+
+#: The spoilers only ``validate=True`` sees (they need the ids' values, read on the device).
+VALUE_SPOILERS = {"ids out of range", "ids negative", "ids duplicated", "lora_ids past the bank", "lora_ids -2",
+                  "lora_ids empty slot"}
+
+
+@pytest.mark.parametrize("spoil", [None, *sorted(set(SPOILERS) - VALUE_SPOILERS)])
+def test_lora_experts_one_predicate_path_only_for_well_formed_calls(spoil):
+    """With ``validate=False`` a well-formed call takes ``LoRAExperts``' one-predicate path (and matches the
+    reference); a spoiled shape, dtype or type fails the predicate, and the checks one by one raise."""
+    w13, w2 = random_experts(E, H, I, torch.float32)
+    bank = moelab.LoRABank(3, E, H, I, 4, dtype=torch.float32)
+    bank.set(0, **adapter(seed=0), scaling=0.5)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="torch")
+    g = torch.Generator().manual_seed(5)
+    args = {"x": torch.randn(4, H, generator=g), "w": random_weights(4, K, generator=g),
+            "ids": random_topk_ids(4, K, E, generator=g).long(), "lora_ids": torch.tensor([0, -1, 0, 0])}
+    if spoil is None:
+        assert experts._plain_call_ok(args["x"], args["w"], args["ids"], args["lora_ids"])
+        got = experts(args["x"], args["w"], args["ids"], args["lora_ids"], validate=False)
+        ref = reference.lora_experts(args["x"], args["w"], args["ids"], args["lora_ids"], w13, w2, bank)["output"]
+        assert_close_to_reference(got, ref, torch.float32, "one-predicate path")
+        bank.down_b = bank.down_b.transpose(0, 1).contiguous().transpose(0, 1)  # a bank tensor assigned strided
+        assert not experts._plain_call_ok(args["x"], args["w"], args["ids"], args["lora_ids"])
+        with pytest.raises(ValueError, match="bank.down_b"):
+            experts(args["x"], args["w"], args["ids"], args["lora_ids"], validate=False)
+        return
+    SPOILERS[spoil](args)
+    assert not experts._plain_call_ok(args["x"], args["w"], args["ids"], args["lora_ids"])
+    with pytest.raises((TypeError, ValueError)):
+        experts(args["x"], args["w"], args["ids"], args["lora_ids"], validate=False)
