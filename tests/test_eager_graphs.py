@@ -26,8 +26,9 @@ def graphs(monkeypatch):
     monkeypatch.setattr(eager_graphs, "ENABLED", True)
     monkeypatch.setattr(eager_graphs, "_graphs", {})
     monkeypatch.setattr(eager_graphs, "_pools", {})
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", False)  # the copies, whatever MOELAB_EAGER_GRAPHS_IN_PLACE says
     monkeypatch.setattr(eager_graphs, "_sightings", {})
-    monkeypatch.setattr(eager_graphs, "_in_place_held", {})
+    monkeypatch.setattr(eager_graphs, "_in_place", {})
     yield eager_graphs._graphs
     eager_graphs._graphs.clear()  # freed now, not by a later collection (a failed test's traceback holds the dict)
 
@@ -407,7 +408,12 @@ def _fake_replay(x, scale, output=None, key=("k",)):
     return eager_graphs._replay(key, None, (x, scale), (x.dtype, torch.int32), _scale, output, x.shape)
 
 
-def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs, graphs):
+def _placed(key=("k",)):
+    """The in-place graphs of ``key``: addresses -> entry, least recently replayed first."""
+    return eager_graphs._in_place.get(key, {})
+
+
+def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs):
     x, scale, out = torch.randn(4, 8), torch.full((4, 1), 3, dtype=torch.int32), torch.empty(4, 8)
     for call in range(5):  # call 0: the copy graph; call 1: the same addresses again, an in-place graph
         x.normal_()
@@ -415,54 +421,69 @@ def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs, graphs
         assert got is out and torch.equal(out, x * 3), call
         assert len(fake_graphs) == min(call + 1, 2)
     assert fake_graphs[1][0] is x  # the in-place graph read the caller's x itself
-    in_place = graphs[("in place", ("k",), (x.data_ptr(), scale.data_ptr()), out.data_ptr())]
-    assert in_place.inputs == () and in_place.out is None and in_place.graph.replays == 4
+    (addresses, entry), = _placed().items()
+    assert addresses == ((x.data_ptr(), scale.data_ptr()), out.data_ptr())
+    assert entry.inputs == () and entry.out is None and entry.graph.replays == 4
+    assert eager_graphs.held() == 2
     other = torch.empty(4, 8)  # another output: counted anew, served by the copy graph meanwhile
     assert torch.equal(_fake_replay(x, scale, other), x * 3) and len(fake_graphs) == 2
+    view = x.view(2, 16).view(4, 8)  # another tensor at x's address: the graph reads it there, as it should
+    assert view is not x and torch.equal(_fake_replay(view, scale, out), x * 3) and entry.graph.replays == 5
 
 
 def test_inputs_unlike_the_buffers_keep_the_copies(fake_graphs):
-    x, out = torch.randn(8, 4).t(), torch.empty(4, 8)  # not contiguous
-    scale64 = torch.full((4, 1), 2, dtype=torch.int64)  # the buffer is int32
-    for inputs in [(x, torch.full((4, 1), 2, dtype=torch.int32)), (x.contiguous(), scale64)]:
+    scale = torch.full((4, 1), 2, dtype=torch.int32)
+    strided = torch.randn(8, 4).t()
+    one_row = torch.randn(8, 1).t()  # contiguous by is_contiguous, but stride (1, 1): Triton specialises it apart
+    misaligned = torch.randn(33)[1:].view(4, 8)
+    cases = {"strided": (strided, scale, torch.empty(4, 8)), "int64 scale": (strided.contiguous(), scale.long(),
+             torch.empty(4, 8)), "misaligned": (misaligned, scale, torch.empty(4, 8)),
+             "one row": (one_row, scale[:1], torch.empty(1, 8)),
+             "output dtype": (strided.contiguous(), scale, torch.empty(4, 8, dtype=torch.float64))}
+    for name, (x, s_, out) in cases.items():
         for _ in range(4):
-            assert torch.equal(_fake_replay(*inputs, out, key=(inputs[1].dtype,)), inputs[0] * 2)
-    assert len(fake_graphs) == 2  # one copy graph per key, never an in-place one
+            assert torch.equal(_fake_replay(x, s_, out, key=(name,)), (x * s_).to(out.dtype)), name
+    assert len(fake_graphs) == len(cases) and not eager_graphs._in_place  # one copy graph each, never in place
 
 
-def test_in_place_graphs_per_key_are_bounded_and_evicted_with_their_count(fake_graphs, graphs, monkeypatch):
+def test_in_place_graphs_per_key_go_least_recently_replayed_first(fake_graphs, monkeypatch):
     x, scale = torch.randn(2, 8), torch.full((2, 1), 5, dtype=torch.int32)
-    outs = [torch.empty(2, 8) for _ in range(eager_graphs.MAX_IN_PLACE_PER_KEY + 2)]
-    for _ in range(3):
-        for out in outs:
-            assert torch.equal(_fake_replay(x, scale, out), x * 5)
-    assert len(fake_graphs) == 1 + eager_graphs.MAX_IN_PLACE_PER_KEY  # the copy graph and the bound's in-place ones
-    assert eager_graphs._in_place_held[("k",)] == eager_graphs.MAX_IN_PLACE_PER_KEY
-    monkeypatch.setattr(eager_graphs, "MAX_GRAPHS", len(graphs))
-    _fake_replay(x, scale, key=("another",))  # evicts the oldest: the copy graph of ("k",)
-    _fake_replay(x, scale, key=("a third",))  # and then its first in-place graph, whose count goes with it
-    assert eager_graphs._in_place_held[("k",)] == eager_graphs.MAX_IN_PLACE_PER_KEY - 1
+    bound = eager_graphs.MAX_IN_PLACE_PER_KEY
+    outs = [torch.empty(2, 8) for _ in range(bound + 1)]
+    for out in outs[:bound] * 2:
+        assert torch.equal(_fake_replay(x, scale, out), x * 5)
+    assert len(fake_graphs) == 1 + bound and len(_placed()) == bound
+    _fake_replay(x, scale, outs[0])  # outs[0]'s graph is now the most recently replayed, outs[1]'s the least
+    for _ in range(2):  # a new address set: its second call replaces outs[1]'s graph
+        assert torch.equal(_fake_replay(x, scale, outs[bound]), x * 5)
+    held = [a[1] for a in _placed()]
+    assert len(held) == bound and outs[1].data_ptr() not in held and held[-1] == outs[bound].data_ptr()
+    monkeypatch.setattr(eager_graphs, "MAX_IN_PLACE_GRAPHS", bound)
+    y, y_out = torch.randn(2, 8), torch.empty(2, 8)
+    for _ in range(2):  # another key's graph makes the budget: the least recently replayed key gives up its graphs
+        assert torch.equal(_fake_replay(y, scale, y_out, key=("other",)), y * 5)
+    assert list(eager_graphs._in_place) == [("other",)]
 
 
-def test_in_place_is_off_by_default_and_then_only_copies(graphs, monkeypatch):
-    assert eager_graphs.IN_PLACE is (__import__("os").environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE") == "1")
-    monkeypatch.setattr(eager_graphs, "IN_PLACE", False)
-    captured = []
-    monkeypatch.setattr(eager_graphs, "_capture", lambda static, stream, launches, out=None: captured.append(
-        static) or eager_graphs._Entry(_FakeGraph(lambda: None), static, launches(*static, out=out)))
-    x, scale, out = torch.randn(4, 8), torch.full((4, 1), 3, dtype=torch.int32), torch.empty(4, 8)
-    for _ in range(4):
-        _fake_replay(x, scale, out)
-    assert len(captured) == 1 and captured[0][0] is not x
+def test_in_place_is_off_by_default(graphs):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MOELAB_EAGER_GRAPHS_IN_PLACE"}
+    got = subprocess.run([sys.executable, "-c", "import moelab.backends.eager_graphs as e; print(e.IN_PLACE)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert got == "False"
 
 
 @needs_cuda
 @pytest.mark.parametrize("lora", [False, True])
 def test_in_place_replays_match_the_copies_bit_for_bit_and_hold_no_input(graphs, monkeypatch, lora):
-    """A decode loop's call site: the same x, routing (and, for the base call, output) tensors written anew before
-    each call, and LoRAExperts' own output freed after each. Once the addresses came back ``IN_PLACE_AFTER`` times
-    the replay reads and writes them where they lie; every output equals the copy graph's bits on the same inputs
-    and the float64 reference, and no graph keeps the caller's tensors alive."""
+    """A decode loop's call site: the same x, routing (and, for the base call, output) tensors written anew
+    before each call, LoRAExperts' own output freed after each. Once the addresses came back ``IN_PLACE_AFTER``
+    times the calls replay in place; each output equals the copy graph's bits on the same inputs (I = 32: one
+    tile of columns, so no atomics sum in the LoRA W2 shrink) and the float64 reference, and no graph keeps the
+    caller's tensors alive."""
     import weakref
 
     if lora:
@@ -476,24 +497,35 @@ def test_in_place_replays_match_the_copies_bit_for_bit_and_hold_no_input(graphs,
     def call(x):
         if lora:
             return experts(x, w, ids, lora_ids, has_lora=True, validate=False)
+        packed.copy_(moelab.pack_topk_ids_weights(ids, w))
         return _moe(packed, x, W, output=out)
 
-    for seed in range(4):
-        fresh_x, fresh_ids, fresh_w = _inputs(seed)
-        x.copy_(fresh_x), ids.copy_(fresh_ids), w.copy_(fresh_w)
+    replayed = []
+    in_place = eager_graphs._replay_in_place
+    monkeypatch.setattr(eager_graphs, "_replay_in_place", lambda *a: replayed.append(in_place(*a)) or replayed[-1])
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", True)
+    fresh = [_inputs(seed, device="cpu") for seed in range(8)]  # on the CPU: no device allocation between calls
+    outs = []
+    for cpu_x, cpu_ids, cpu_w in fresh:
+        x.copy_(cpu_x), ids.copy_(cpu_ids), w.copy_(cpu_w)
+        got = call(x)
+        outs.append(got.cpu())
+        del got  # LoRAExperts' next output may take this one's block, as in a decode loop
+    assert sum(replayed) >= len(fresh) - 3, f"in-place replays: {replayed}"
+    probe_out = weakref.ref(out) if not lora else None
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", False)
+    for got, (cpu_x, cpu_ids, cpu_w) in zip(outs, fresh):
+        x.copy_(cpu_x), ids.copy_(cpu_ids), w.copy_(cpu_w)
+        copied = call(x).cpu()
+        assert torch.equal(got, copied), "in place against the copies"
         if lora:
             ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"]
         else:
-            packed.copy_(moelab.pack_topk_ids_weights(ids, w))
             ref = _reference(x, ids, w, w13, w2)
-        monkeypatch.setattr(eager_graphs, "IN_PLACE", False)
-        copied = call(x).clone()
-        monkeypatch.setattr(eager_graphs, "IN_PLACE", True)
-        got = call(x)
-        assert torch.equal(got, copied), f"call {seed}: in place against the copies"
-        assert_close_to_reference(got, ref, torch.bfloat16, f"call {seed}")
-        del got, copied  # LoRAExperts' next output may take this one's block, as in a decode loop
-    assert any(k[0] == "in place" for k in graphs), "the addresses came back, but no in-place graph was captured"
+        assert_close_to_reference(got.to(x.device), ref, torch.bfloat16, "in place")
     probe = weakref.ref(x)
     del x
+    if not lora:
+        del out
     assert probe() is None, "a graph keeps the caller's input alive"
+    assert probe_out is None or probe_out() is None, "a graph keeps the caller's output alive"

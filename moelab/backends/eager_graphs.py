@@ -36,7 +36,10 @@ inputs and output lie where an earlier call's did (``IN_PLACE_AFTER`` times, as 
 hands a layer the same blocks step after step) replays a graph of its own that reads those tensors and writes the
 output where they lie: no copies in, no clone out, the host's work a key, a lookup and the replay. Its key adds the
 addresses; it holds no reference to the caller's tensors; inputs of another dtype than the buffers', strided or
-not 16-byte aligned keep the copies, and so do addresses past ``MAX_IN_PLACE_PER_KEY`` graphs of one key.
+not 16-byte aligned keep the copies. A key holds at most ``MAX_IN_PLACE_PER_KEY`` such graphs (a new address set
+replaces the one replayed least recently), all keys ``MAX_IN_PLACE_GRAPHS``. The bits are the copy graph's: the
+same kernels on the same values (where fp32 atomics sum, as the LoRA W2 shrink does for I > its tile's columns,
+the last bit may differ from run to run in either graph).
 
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
 thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
@@ -84,17 +87,19 @@ MAX_GRAPHS = 512
 #: In-place replays (``MOELAB_EAGER_GRAPHS_IN_PLACE=1``; off until measured on a GPU): a call whose inputs and
 #: output lie where an earlier call's did replays a graph that reads them there and writes the output there, with
 #: no copy in or out. Such a graph is captured once the same addresses came ``IN_PLACE_AFTER`` times (a decode
-#: loop's caching allocator hands each layer the same blocks step after step), at most ``MAX_IN_PLACE_PER_KEY``
-#: per key; every other call takes the copies.
+#: loop's caching allocator hands each layer the same blocks step after step); every other call takes the copies.
 IN_PLACE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE", "0") == "1"
 IN_PLACE_AFTER = 2
+#: In-place graphs of one key (the least recently replayed goes for a new address set) and of all keys (the key
+#: that replayed least recently loses its graphs first); their own budget, beside ``MAX_GRAPHS`` copy graphs.
 MAX_IN_PLACE_PER_KEY = 4
+MAX_IN_PLACE_GRAPHS = 512
 #: Address sets counted at once before they earn a graph (all forgotten past it).
 MAX_SIGHTINGS = 4096
 
 _graphs: dict[tuple, _Entry] = {}
-_sightings: dict[tuple, int] = {}  # in-place key -> calls seen at those addresses without a graph
-_in_place_held: dict[tuple, int] = {}  # key -> its in-place graphs held
+_sightings: dict[tuple, int] = {}  # (key, addresses) -> calls seen at those addresses without a graph
+_in_place: dict[tuple, dict[tuple, _Entry]] = {}  # key -> addresses -> graph, least recently replayed first
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
 
@@ -254,38 +259,53 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
                      buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
                      output: torch.Tensor) -> bool:
     """Whether ``output`` was written by replaying a graph that reads ``inputs`` and writes ``output`` where they
-    lie now. Not (False) for an input or output not as the buffers would hold it (dtype, contiguous, 16-byte
-    aligned: the kernels then specialise as on the buffers, so both graphs compute the same bits), addresses not
-    yet seen ``IN_PLACE_AFTER`` times, or ``MAX_IN_PLACE_PER_KEY`` graphs of the key held. The graph holds no
-    reference to those tensors (one would keep their blocks from coming back to the next call)."""
+    lie now. Not (False) for an input or output not as the buffers would hold it (dtype, contiguous strides,
+    16-byte aligned: the kernels then specialise as on the buffers, so both graphs run the same kernels) or for
+    addresses not yet seen ``IN_PLACE_AFTER`` times. The graph holds no reference to those tensors (one would keep
+    their blocks from coming back to the next call)."""
     for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
-        if t is not None and (t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16):
+        if t is not None and (t.dtype != dtype or t.data_ptr() % 16 or t.stride() != _packed_strides(t.shape)):
             return False
-    placed = ("in place", entry_key, tuple(0 if t is None else t.data_ptr() for t in inputs), output.data_ptr())
-    entry = _graphs.get(placed)
+    addresses = (tuple(0 if t is None else t.data_ptr() for t in inputs), output.data_ptr())
+    graphs = _in_place.get(entry_key)
+    entry = None if graphs is None else graphs.pop(addresses, None)
     if entry is None:
-        seen = _sightings.get(placed, 0) + 1
-        if seen < IN_PLACE_AFTER or _in_place_held.get(entry_key, 0) >= MAX_IN_PLACE_PER_KEY:
+        seen = _sightings.get((entry_key, addresses), 0) + 1
+        if seen < IN_PLACE_AFTER:
             if len(_sightings) >= MAX_SIGHTINGS:
                 _sightings.clear()
-            _sightings[placed] = seen
+            _sightings[entry_key, addresses] = seen
             return False
-        _sightings.pop(placed, None)
+        _sightings.pop((entry_key, addresses), None)
         entry = _capture(inputs, stream, launches, output)
         entry.inputs, entry.out = (), None  # nothing of the caller's stays alive through the entry
-        _hold(placed, entry)
-        _in_place_held[entry_key] = _in_place_held.get(entry_key, 0) + 1
+        graphs = _in_place.pop(entry_key, None) or {}
+        while len(graphs) >= MAX_IN_PLACE_PER_KEY:
+            del graphs[next(iter(graphs))]
+        while _in_place and sum(map(len, _in_place.values())) + len(graphs) >= MAX_IN_PLACE_GRAPHS:
+            del _in_place[next(iter(_in_place))]
+    else:
+        del _in_place[entry_key]
+    graphs[addresses] = entry  # the most recently replayed last, of the key and among the keys
+    _in_place[entry_key] = graphs
     entry.graph.replay()
     return True
+
+
+def _packed_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (``is_contiguous`` also accepts other strides of size-1
+    dimensions, which Triton would specialise differently)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _hold(entry_key: tuple, entry: _Entry) -> None:
     """Keep ``entry`` under its key; past ``MAX_GRAPHS`` the oldest goes."""
     if len(_graphs) >= MAX_GRAPHS:
-        oldest = next(iter(_graphs))
-        del _graphs[oldest]
-        if oldest[0] == "in place":
-            _in_place_held[oldest[1]] -= 1
+        del _graphs[next(iter(_graphs))]
     _graphs[entry_key] = entry
 
 
@@ -329,9 +349,9 @@ def clear() -> None:
     _graphs.clear()
     _pools.clear()
     _sightings.clear()
-    _in_place_held.clear()
+    _in_place.clear()
 
 
 def held() -> int:
-    """How many graphs are held now."""
-    return len(_graphs)
+    """How many graphs are held now (copy graphs and in-place ones)."""
+    return len(_graphs) + sum(map(len, _in_place.values()))
