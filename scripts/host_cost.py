@@ -5,6 +5,7 @@
     python scripts/host_cost.py --profile 2000                    # + where the host time goes (cProfile)
     python scripts/host_cost.py --launches a.json                 # + what Triton was asked to compile (CPU only)
     python scripts/host_cost.py --lora 16                         # LoRAExperts, one rank-16 adapter on every token
+    python scripts/host_cost.py --lora 16 --stub-replays          # CPU: a replayed call's host cost (graph stubbed)
     PYTHONPATH=/path/to/other/tree python scripts/host_cost.py    # another tree's moelab (the path printed first)
 
 Each shape and T: the call the bench's "moelab triton" row makes (packed routing words, ``validate=False``, plain
@@ -108,6 +109,29 @@ def _stub_triton() -> None:
     h200 = moe_gemm.DeviceLimits((9, 0), 232448)
     moe_gemm.device_limits = lambda device: h200
     triton_backend.unavailable_reason = lambda device: None
+
+
+def _stub_replays() -> None:
+    """CPU, ``--stub-replays``: eager calls of at most ``MAX_TOKENS`` take ``eager_graphs``' replay path as on a
+    GPU, with a stand-in graph whose replay does nothing and a stand-in current stream; the copies into its
+    buffers (CPU memcpys here, copy kernels a GPU launches) and all of moelab's Python on the way run as they are
+    (``MOELAB_EAGER_GRAPHS_IN_PLACE=1``: the in-place replays)."""
+    import types
+
+    from moelab.backends import eager_graphs
+
+    class _Graph:
+        def replay(self):
+            COUNTS["replay"] = COUNTS.get("replay", 0) + 1
+
+    def capture(static, stream, launches, out=None):
+        x = static[0]
+        return eager_graphs._Entry(_Graph(), static, torch.empty(x.shape, dtype=x.dtype) if out is None else out)
+
+    eager_graphs._capture = capture
+    eager_graphs._replayable = lambda x, inputs: eager_graphs.ENABLED and 0 < x.shape[0] <= eager_graphs.MAX_TOKENS
+    stream = types.SimpleNamespace(cuda_stream=0)
+    torch.cuda.current_stream = lambda device=None: stream
 
 
 def make_call(shape: str, T: int, activation: str, bias: bool, lora_ranks: list[int] | None = None):
@@ -236,6 +260,8 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, help="also N calls under cProfile, by own time")
     p.add_argument("--launches", help="CPU: write what Triton's run was asked to launch to this JSON file")
     p.add_argument("--lora", help="LoRAExperts with one adapter of each rank of this comma list (e.g. 16)")
+    p.add_argument("--stub-replays", action="store_true", help="CPU: eager calls of T <= 32 take the CUDA-graph "
+                   "replay path, the graph stubbed (the host's Python and copies of a replayed call)")
     p.add_argument("--layers", type=int, default=1, help="this many layers of their own weights, called in turn "
                    "(as a model's layers are: on a GPU no layer finds its weights in the L2); µs per layer")
     a = p.parse_args()
@@ -243,7 +269,10 @@ def main() -> None:
         p.error(f"--layers: expected 1 or more layers, got {a.layers}")
     if not CUDA:
         _stub_triton()
-    where = torch.cuda.get_device_name() if CUDA else "CPU, Triton stubbed below CachedLaunchJIT"
+        if a.stub_replays:
+            _stub_replays()
+    where = torch.cuda.get_device_name() if CUDA else "CPU, Triton stubbed below CachedLaunchJIT" + (
+        ", CUDA-graph replays stubbed" if a.stub_replays else "")
     print(f"moelab {moelab.__file__}, torch {torch.__version__}, triton {__import__('triton').__version__}, {where}")
     for shape in _split_shapes(a.shape):
         for T in (int(t) for t in a.tokens.split(",")):

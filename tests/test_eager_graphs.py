@@ -409,7 +409,8 @@ def _fake_replay(x, scale, output=None, key=("k",)):
 
 
 def _placed(key=("k",)):
-    """The in-place graphs of ``key``: addresses -> entry, least recently replayed first."""
+    """The in-place graphs of ``key``: (input addresses..., output address) -> entry, least recently replayed
+    first."""
     return eager_graphs._in_place.get(key, {})
 
 
@@ -422,7 +423,7 @@ def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs):
         assert len(fake_graphs) == min(call + 1, 2)
     assert fake_graphs[1][0] is x  # the in-place graph read the caller's x itself
     (addresses, entry), = _placed().items()
-    assert addresses == ((x.data_ptr(), scale.data_ptr()), out.data_ptr())
+    assert addresses == (x.data_ptr(), scale.data_ptr(), out.data_ptr())
     assert entry.inputs == () and entry.out is None and entry.graph.replays == 4
     assert eager_graphs.held() == 2
     other = torch.empty(4, 8)  # another output: counted anew, served by the copy graph meanwhile
@@ -456,7 +457,7 @@ def test_in_place_graphs_per_key_go_least_recently_replayed_first(fake_graphs, m
     _fake_replay(x, scale, outs[0])  # outs[0]'s graph is now the most recently replayed, outs[1]'s the least
     for _ in range(2):  # a new address set: its second call replaces outs[1]'s graph
         assert torch.equal(_fake_replay(x, scale, outs[bound]), x * 5)
-    held = [a[1] for a in _placed()]
+    held = [a[-1] for a in _placed()]  # the outputs' addresses
     assert len(held) == bound and outs[1].data_ptr() not in held and held[-1] == outs[bound].data_ptr()
     monkeypatch.setattr(eager_graphs, "MAX_IN_PLACE_GRAPHS", bound)
     y, y_out = torch.randn(2, 8), torch.empty(2, 8)

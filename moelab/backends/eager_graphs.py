@@ -263,10 +263,17 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
     16-byte aligned: the kernels then specialise as on the buffers, so both graphs run the same kernels) or for
     addresses not yet seen ``IN_PLACE_AFTER`` times. The graph holds no reference to those tensors (one would keep
     their blocks from coming back to the next call)."""
+    pointers = []
     for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
-        if t is not None and (t.dtype != dtype or t.data_ptr() % 16 or t.stride() != _packed_strides(t.shape)):
+        if t is None:
+            pointers.append(0)
+            continue
+        pointer, strides = t.data_ptr(), t.stride()
+        if t.dtype != dtype or pointer % 16 or strides != (_packed_strides(t.shape) if len(strides) != 2 else
+                                                           (t.shape[1], 1)):
             return False
-    addresses = (tuple(0 if t is None else t.data_ptr() for t in inputs), output.data_ptr())
+        pointers.append(pointer)
+    addresses = tuple(pointers)
     graphs = _in_place.get(entry_key)
     entry = None if graphs is None else graphs.pop(addresses, None)
     if entry is None:
