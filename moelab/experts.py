@@ -44,7 +44,8 @@ from moelab._checks import (
 )
 from moelab.backends import get_backend
 from moelab.contract import LoRAExpertsCall
-from moelab.lora import LoRABank, check_bank_layout, check_ids_once
+from moelab.lora import LoRABank, bank_layout_ok, check_bank_layout, check_ids_once
+from moelab.moe import _plain_call_ok as _plain_routed_call_ok
 from moelab.moe import prepare_weights, validate_call
 from moelab.packing import check_routing
 
@@ -213,28 +214,15 @@ class LoRAExperts(nn.Module):
 
     def _plain_call_ok(self, hidden_states, topk_weights, topk_ids, lora_ids) -> bool:
         """True when every check of :meth:`_checked` would pass (False says nothing: those checks then name what is
-        wrong), in one expression: the checks one by one cost a decode call more host time than its GPU work."""
-        W, top_k = self.weights, self.top_k
-        w = W.gemm1_weights
-        if not (type(hidden_states) is torch.Tensor and type(topk_weights) is torch.Tensor
-                and type(topk_ids) is torch.Tensor and type(self.num_experts) is int and type(top_k) is int
-                and type(self.local_expert_offset) is int):
-            return False
-        shape = (hidden_states.shape[0], top_k) if hidden_states.dim() == 2 else None
-        if not (W.num_local_experts <= self.num_experts <= MAX_EXPERTS and 1 <= top_k <= self.num_experts
-                and 0 <= self.local_expert_offset <= self.num_experts - W.num_local_experts
-                and shape is not None and hidden_states.dtype == w.dtype and hidden_states.shape[1] == W.hidden_size
-                and hidden_states.device == w.device and topk_ids.dtype in INT_DTYPES and topk_ids.shape == shape
-                and topk_ids.device == w.device and topk_weights.dtype in FLOAT_DTYPES
-                and topk_weights.shape == shape and topk_weights.device == w.device):
+        wrong): ``validate_call``'s one predicate, and the adapter ids and the bank's layout and device. The checks
+        one by one cost a decode call more host time than its GPU work."""
+        if not _plain_routed_call_ok((topk_ids, topk_weights), hidden_states, self.weights, self.num_experts,
+                                     self.top_k, self.local_expert_offset):
             return False
         bank = self.lora
         return lora_ids is None or (bank is not None and type(lora_ids) is torch.Tensor
-                                    and lora_ids.dtype in INT_DTYPES and lora_ids.shape == shape[:1]
-                                    and bank.gate_a.device == w.device and bank.gate_a.is_contiguous()
-                                    and bank.gate_b.is_contiguous() and bank.up_a.is_contiguous()
-                                    and bank.up_b.is_contiguous() and bank.down_a.is_contiguous()
-                                    and bank.down_b.is_contiguous())
+                                    and lora_ids.dtype in INT_DTYPES and lora_ids.shape == hidden_states.shape[:1]
+                                    and bank.gate_a.device == hidden_states.device and bank_layout_ok(bank))
 
     def _checked(self, hidden_states, topk_weights, topk_ids, lora_ids) -> torch.Tensor:
         """The call's argument checks one by one, each naming what is wrong (the bank's layout and device: in

@@ -491,9 +491,14 @@ def check_ids_once(topk_ids: torch.Tensor | None, num_experts: int, bank: LoRABa
                              f"bank.set({empty[0]}, ...) or use -1 (no adapter) for those tokens")
 
 
+def bank_layout_ok(bank: LoRABank) -> bool:
+    """Whether every tensor of ``bank`` is contiguous, as the kernels index them (one pass; the eager calls' path)."""
+    return all(getattr(bank, name).is_contiguous() for name in _BANK_TENSORS)
+
+
 def check_bank_layout(bank: LoRABank) -> None:
     """Every tensor of ``bank`` contiguous, as the kernels index them (a tensor assigned to the bank may not be)."""
-    if all(getattr(bank, name).is_contiguous() for name in _BANK_TENSORS):  # the eager calls' path: one pass
+    if bank_layout_ok(bank):
         return
     for name in _BANK_TENSORS:
         _checks.check_contiguous(f"bank.{name}", getattr(bank, name))

@@ -247,7 +247,9 @@ def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Ten
     entry = _graphs.get(entry_key)
     if entry is None:
         entry = _capture(_buffers_like(inputs, buffers), stream, launches)
-        _hold(entry_key, entry)
+        if len(_graphs) >= MAX_GRAPHS:
+            del _graphs[next(iter(_graphs))]
+        _graphs[entry_key] = entry
     for static, given in zip(entry.inputs, inputs):
         if given is not None:
             static.copy_(given)
@@ -307,13 +309,6 @@ def _packed_strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
-
-
-def _hold(entry_key: tuple, entry: _Entry) -> None:
-    """Keep ``entry`` under its key; past ``MAX_GRAPHS`` the oldest goes."""
-    if len(_graphs) >= MAX_GRAPHS:
-        del _graphs[next(iter(_graphs))]
-    _graphs[entry_key] = entry
 
 
 def _buffers_like(inputs: tuple[torch.Tensor | None, ...],

@@ -394,8 +394,13 @@ def _wide_past_crossover(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:
     """Whether ``call`` with ``bank`` (``call.lora``, or the module's) is too wide for the stacked modes, left to the
     module (no path forced), with more routed rows per local expert than the adapter loop's crossover: vLLM's
     flow then takes it, unless the token-major path does first."""
-    wide = bank is not None and call.path is None and not stacked_fits(bank)
-    return wide and call.topk_ids.numel() > ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts
+    rows_bound = ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts
+    return _wide(call, bank) and call.topk_ids.numel() > rows_bound
+
+
+def _wide(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:
+    """Whether ``bank`` is too wide for the stacked modes and ``call`` leaves the path to the module."""
+    return bank is not None and call.path is None and not stacked_fits(bank)
 
 
 def _graph_pipeline(routing: torch.Tensor, weights: torch.Tensor | None, x: torch.Tensor,
@@ -432,13 +437,12 @@ def _lora_experts_launches(call: LoRAExpertsCall) -> torch.Tensor:
         return call.output
     if _wide_past_crossover(call, call.lora):
         return lora_flow.lora_experts(call, tiled)
-    wide = call.lora is not None and call.path is None and not stacked_fits(call.lora)  # left to the module
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = _kernel_weights(call.topk_weights)
     lora = None
     if call.lora is not None:  # the stacked modes for a narrow bank, the adapter loop for a wide one (or forced)
-        adapter_loop = wide or call.path == "adapter-loop"
+        adapter_loop = _wide(call, call.lora) or call.path == "adapter-loop"
         lora = FusedLoRA(call.lora, call.lora_ids.contiguous(), call.path if not adapter_loop else None, adapter_loop)
     if lora is not None and lora.mode == "decode" and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
         raise ValueError(f"fused: the decode mode takes at most {FUSED_DECODE_MAX_SLOTS} slots (T*K), got "
