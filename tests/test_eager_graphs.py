@@ -435,16 +435,28 @@ def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs):
 def test_inputs_unlike_the_buffers_keep_the_copies(fake_graphs):
     scale = torch.full((4, 1), 2, dtype=torch.int32)
     strided = torch.randn(8, 4).t()
-    one_row = torch.randn(8, 1).t()  # contiguous by is_contiguous, but stride (1, 1): Triton specialises it apart
     misaligned = torch.randn(33)[1:].view(4, 8)
     cases = {"strided": (strided, scale, torch.empty(4, 8)), "int64 scale": (strided.contiguous(), scale.long(),
              torch.empty(4, 8)), "misaligned": (misaligned, scale, torch.empty(4, 8)),
-             "one row": (one_row, scale[:1], torch.empty(1, 8)),
              "output dtype": (strided.contiguous(), scale, torch.empty(4, 8, dtype=torch.float64))}
     for name, (x, s_, out) in cases.items():
         for _ in range(4):
             assert torch.equal(_fake_replay(x, s_, out, key=(name,)), (x * s_).to(out.dtype)), name
     assert len(fake_graphs) == len(cases) and not eager_graphs._in_place  # one copy graph each, never in place
+
+
+def test_a_size_one_dimensions_stride_is_read_through_packed_strides(fake_graphs):
+    """A one-token batch's top-k ids are a (1, K) slice of a (1, E) tensor: contiguous, stride (E, 1). Never stepped
+    along, that stride would only make Triton specialise apart from the buffers; the in-place graph reads the same
+    memory through a (K, 1) view."""
+    wide = torch.randn(1, 32)
+    x, scale, out = wide[:, :8], torch.full((1, 1), 3, dtype=torch.int32), torch.empty(1, 8)
+    assert x.stride() == (32, 1) and x.is_contiguous()
+    for _ in range(3):
+        wide.normal_()
+        assert torch.equal(_fake_replay(x, scale, out), x * 3)
+    static_x = fake_graphs[1][0]
+    assert static_x.stride() == (8, 1) and static_x.data_ptr() == x.data_ptr() and len(_placed()) == 1
 
 
 def test_in_place_graphs_per_key_go_least_recently_replayed_first(fake_graphs, monkeypatch):
