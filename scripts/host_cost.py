@@ -115,7 +115,7 @@ def _stub_replays() -> None:
     """CPU, ``--stub-replays``: eager calls of at most ``MAX_TOKENS`` take ``eager_graphs``' replay path as on a
     GPU, with a stand-in graph whose replay does nothing and a stand-in current stream; the copies into its
     buffers (CPU memcpys here, copy kernels a GPU launches) and all of moelab's Python on the way run as they are
-    (``MOELAB_EAGER_GRAPHS_IN_PLACE=1``: the in-place replays)."""
+    (``MOELAB_EAGER_GRAPHS_IN_PLACE=0``: no in-place replays)."""
     import types
 
     from moelab.backends import eager_graphs

@@ -478,15 +478,18 @@ def test_in_place_graphs_per_key_go_least_recently_replayed_first(fake_graphs, m
     assert list(eager_graphs._in_place) == [("other",)]
 
 
-def test_in_place_is_off_by_default(graphs):
+@pytest.mark.parametrize("setting, expected", [(None, "True"), ("1", "True"), ("0", "False")])
+def test_in_place_is_on_unless_switched_off(graphs, setting, expected):
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "MOELAB_EAGER_GRAPHS_IN_PLACE"}
+    if setting is not None:
+        env["MOELAB_EAGER_GRAPHS_IN_PLACE"] = setting
     got = subprocess.run([sys.executable, "-c", "import moelab.backends.eager_graphs as e; print(e.IN_PLACE)"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert got == "False"
+    assert got == expected
 
 
 @needs_cuda

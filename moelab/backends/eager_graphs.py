@@ -31,15 +31,16 @@ weights where the key says they are, so a call whose weights live there reads it
 place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the oldest goes) or :func:`clear`.
 Each holds its static buffers (T x H inputs and output) and its share of the pool.
 
-With ``MOELAB_EAGER_GRAPHS_IN_PLACE=1`` (``IN_PLACE``; off by default: not yet measured on a GPU) a call whose
-inputs and output lie where an earlier call's did (``IN_PLACE_AFTER`` times, as a decode loop's caching allocator
-hands a layer the same blocks step after step) replays a graph of its own that reads those tensors and writes the
-output where they lie: no copies in, no clone out, the host's work a key, a lookup and the replay. Its key adds the
-addresses; it holds no reference to the caller's tensors; inputs of another dtype than the buffers', strided or
-not 16-byte aligned keep the copies. A key holds at most ``MAX_IN_PLACE_PER_KEY`` such graphs (a new address set
-replaces the one replayed least recently), all keys ``MAX_IN_PLACE_GRAPHS``. The bits are the copy graph's: the
-same kernels on the same values (where fp32 atomics sum, as the LoRA W2 shrink does for I > its tile's columns,
-the last bit may differ from run to run in either graph).
+In place (``IN_PLACE``, on unless ``MOELAB_EAGER_GRAPHS_IN_PLACE=0``; on the H200 it takes a T = 1 call's host time
+from 1.28-1.34x its graph's to 1.09-1.11x, a LoRA call's from 1.6-3.0x to 1.1-1.4x), a call whose inputs and output
+lie where an earlier call's did (``IN_PLACE_AFTER`` times, as a decode loop's caching allocator hands a layer the
+same blocks step after step) replays a graph of its own that reads those tensors and writes the output where they
+lie: no copies in, no clone out, the host's work a key, a lookup and the replay. Its key adds the addresses; it
+holds no reference to the caller's tensors; inputs of another dtype than the buffers', strided or not 16-byte
+aligned keep the copies (a size-1 dimension's stride aside: read through a packed view). A key holds at most
+``MAX_IN_PLACE_PER_KEY`` such graphs (a new address set replaces the one replayed least recently), all keys
+``MAX_IN_PLACE_GRAPHS``. The bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum,
+as the LoRA W2 shrink does for I > its tile's columns, the last bit may differ from run to run in either graph).
 
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
 thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
@@ -84,11 +85,11 @@ MAX_TOKENS = 32
 MAX_BYTES_PER_LAUNCH = 280 * 2**20
 #: Graphs held at once (the oldest goes first).
 MAX_GRAPHS = 512
-#: In-place replays (``MOELAB_EAGER_GRAPHS_IN_PLACE=1``; off until measured on a GPU): a call whose inputs and
+#: In-place replays (on unless ``MOELAB_EAGER_GRAPHS_IN_PLACE=0``): a call whose inputs and
 #: output lie where an earlier call's did replays a graph that reads them there and writes the output there, with
 #: no copy in or out. Such a graph is captured once the same addresses came ``IN_PLACE_AFTER`` times (a decode
 #: loop's caching allocator hands each layer the same blocks step after step); every other call takes the copies.
-IN_PLACE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE", "0") == "1"
+IN_PLACE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE", "1") != "0"
 IN_PLACE_AFTER = 2
 #: In-place graphs of one key (the least recently replayed goes for a new address set) and of all keys (the key
 #: that replayed least recently loses its graphs first); their own budget, beside ``MAX_GRAPHS`` copy graphs.
