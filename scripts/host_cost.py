@@ -194,6 +194,27 @@ def launches_per_call(call) -> int:
     return len(seen)
 
 
+def in_place_replays(call, calls: int = 5) -> tuple[int, int]:
+    """Of the graph replays ``calls`` calls of ``call`` ask for, how many ran in place (no input copies, no output
+    clone: ``eager_graphs._replay_in_place`` true), and how many there were."""
+    from moelab.backends import eager_graphs
+
+    tried = eager_graphs._replay_in_place
+    outcomes = []
+
+    def counting(*args):
+        outcomes.append(tried(*args))
+        return outcomes[-1]
+
+    eager_graphs._replay_in_place = counting
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        eager_graphs._replay_in_place = tried
+    return sum(outcomes), len(outcomes)
+
+
 def host_us(call, rounds: int, calls: int) -> float:
     """Best round's µs per call (``calls`` back to back; on a GPU one synchronize after each round)."""
     return back_to_back_us(call, torch.device("cuda" if CUDA else "cpu"), calls=calls, rounds=rounds)
@@ -232,6 +253,9 @@ def measure(shape: str, T: int, a) -> None:
     us = host_us(call, a.rounds, a.calls) / a.layers
     # no Triton launch counted: the call replays a graph of its own (moelab/backends/eager_graphs.py)
     launches = f"{us / n:6.1f} µs/launch  ({n} launches" if n else "  one graph replay  (eager_graphs"
+    if not n:  # whether the replays ran in place or through the copies, counted after the timed rounds
+        placed, replays = in_place_replays(call)
+        launches += f", in place {placed}/{replays}"
     line = f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {launches}"
     if a.layers > 1:
         line += f", {a.layers} layers in turn"
