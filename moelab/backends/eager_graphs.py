@@ -263,30 +263,20 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
                      output: torch.Tensor) -> bool:
     """Whether ``output`` was written by replaying a graph that reads ``inputs`` and writes ``output`` where they
     lie now. Not (False) for an input or output not as the buffers would hold it (dtype, contiguous, 16-byte
-    aligned; read through packed strides, so the kernels specialise as on the buffers and both graphs run the same
-    kernels) or for addresses not yet seen ``IN_PLACE_AFTER`` times. The graph holds no reference to those tensors
-    (one would keep their blocks from coming back to the next call)."""
-    pointers, tensors = [], []
+    aligned) or for addresses not yet seen ``IN_PLACE_AFTER`` times. A contiguous tensor's memory is laid out as the
+    buffers' are, whatever the stride of a size-1 dimension (a one-token batch's top-k ids, a (1, K) slice of a
+    (1, E) tensor); the capture reads it through packed strides, so the kernels specialise as on the buffers and
+    both graphs run the same kernels. The graph holds no reference to those tensors (one would keep their blocks
+    from coming back to the next call)."""
+    pointers = []
     for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
         if t is None:
             pointers.append(0)
-            tensors.append(None)
-            continue
-        pointer, strides = t.data_ptr(), t.stride()
-        if t.dtype != dtype or pointer % 16:
-            return False
-        packed = (t.shape[1], 1) if len(strides) == 2 else _packed_strides(t.shape)
-        if strides != packed:
-            if not t.is_contiguous():  # truly strided: the copies make it packed
-                return False
-            # contiguous but for the stride of a size-1 dimension (a (1, K) slice of a wider (1, E) tensor, as
-            # topk of a one-token batch gives): never stepped along, so the packed view reads the same memory,
-            # and Triton specialises on the packed strides as on the buffers
-            t = t.as_strided(t.shape, packed)
-        pointers.append(pointer)
-        tensors.append(t)
+        elif t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
+            return False  # the copies into the buffers make it so
+        else:
+            pointers.append(t.data_ptr())
     addresses = tuple(pointers)
-    *inputs, output = tensors
     graphs = _in_place.get(entry_key)
     entry = None if graphs is None else graphs.pop(addresses, None)
     if entry is None:
@@ -297,7 +287,7 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
             _sightings[entry_key, addresses] = seen
             return False
         _sightings.pop((entry_key, addresses), None)
-        entry = _capture(tuple(inputs), stream, launches, output)
+        entry = _capture(tuple(map(_packed, inputs)), stream, launches, _packed(output))
         entry.inputs, entry.out = (), None  # nothing of the caller's stays alive through the entry
         graphs = _in_place.pop(entry_key, None) or {}
         while len(graphs) >= MAX_IN_PLACE_PER_KEY:
@@ -310,6 +300,14 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
     _in_place[entry_key] = graphs
     entry.graph.replay()
     return True
+
+
+def _packed(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Contiguous ``t`` viewed with the strides of a contiguous tensor of its shape (the same memory)."""
+    if t is None:
+        return None
+    strides = _packed_strides(t.shape)
+    return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
 def _packed_strides(shape: torch.Size) -> tuple[int, ...]:
