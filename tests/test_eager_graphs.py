@@ -29,6 +29,7 @@ def graphs(monkeypatch):
     monkeypatch.setattr(eager_graphs, "IN_PLACE", False)  # the copies, whatever MOELAB_EAGER_GRAPHS_IN_PLACE says
     monkeypatch.setattr(eager_graphs, "_sightings", {})
     monkeypatch.setattr(eager_graphs, "_in_place", {})
+    monkeypatch.setattr(eager_graphs, "_evictions", {})
     yield eager_graphs._graphs
     eager_graphs._graphs.clear()  # freed now, not by a later collection (a failed test's traceback holds the dict)
 
@@ -476,6 +477,20 @@ def test_in_place_graphs_per_key_go_least_recently_replayed_first(fake_graphs, m
     for _ in range(2):  # another key's graph makes the budget: the least recently replayed key gives up its graphs
         assert torch.equal(_fake_replay(y, scale, y_out, key=("other",)), y * 5)
     assert list(eager_graphs._in_place) == [("other",)]
+
+
+def test_a_call_site_whose_addresses_rotate_stops_capturing(fake_graphs):
+    """Outputs rotating through one more address set than a key holds: each set's graph would go before its set came
+    back, so every call would capture. Past ``MAX_IN_PLACE_EVICTIONS`` the key captures no more and its calls keep
+    the copy graph, still right."""
+    x, scale = torch.randn(2, 8), torch.full((2, 1), 7, dtype=torch.int32)
+    outs = [torch.empty(2, 8) for _ in range(eager_graphs.MAX_IN_PLACE_PER_KEY + 1)]
+    for step in range(200):
+        x.normal_()
+        assert torch.equal(_fake_replay(x, scale, outs[step % len(outs)]), x * 7), step
+    # the copy graph, and in-place graphs until the key ran out of evictions
+    assert len(fake_graphs) == 1 + eager_graphs.MAX_IN_PLACE_PER_KEY + eager_graphs.MAX_IN_PLACE_EVICTIONS
+    assert eager_graphs._evictions[("k",)] == eager_graphs.MAX_IN_PLACE_EVICTIONS
 
 
 @pytest.mark.parametrize("setting, expected", [(None, "True"), ("1", "True"), ("0", "False")])

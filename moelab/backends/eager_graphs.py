@@ -39,7 +39,8 @@ lie: no copies in, no clone out, the host's work a key, a lookup and the replay.
 holds no reference to the caller's tensors; inputs of another dtype than the buffers', strided or not 16-byte
 aligned keep the copies (a size-1 dimension's stride aside: read through a packed view). A key holds at most
 ``MAX_IN_PLACE_PER_KEY`` such graphs (a new address set replaces the one replayed least recently), all keys
-``MAX_IN_PLACE_GRAPHS``. The bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum,
+``MAX_IN_PLACE_GRAPHS``; a key that lost ``MAX_IN_PLACE_EVICTIONS`` of them to those budgets captures no more.
+The bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum,
 as the LoRA W2 shrink does for I > its tile's columns, the last bit may differ from run to run in either graph).
 
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
@@ -95,12 +96,16 @@ IN_PLACE_AFTER = 2
 #: that replayed least recently loses its graphs first); their own budget, beside ``MAX_GRAPHS`` copy graphs.
 MAX_IN_PLACE_PER_KEY = 4
 MAX_IN_PLACE_GRAPHS = 512
-#: Address sets counted at once before they earn a graph (all forgotten past it).
+#: In-place graphs a key may lose to those budgets before it captures no more (its calls keep the copy graph): a
+#: call site whose addresses rotate through more sets than a key holds would otherwise capture on every call.
+MAX_IN_PLACE_EVICTIONS = 2 * MAX_IN_PLACE_PER_KEY
+#: Address sets counted at once before they earn a graph, and keys' eviction counts (all forgotten past it).
 MAX_SIGHTINGS = 4096
 
 _graphs: dict[tuple, _Entry] = {}
 _sightings: dict[tuple, int] = {}  # (key, addresses) -> calls seen at those addresses without a graph
 _in_place: dict[tuple, dict[tuple, _Entry]] = {}  # key -> addresses -> graph, least recently replayed first
+_evictions: dict[tuple, int] = {}  # key -> in-place graphs it lost to the budgets
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
 
@@ -280,6 +285,8 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
     graphs = _in_place.get(entry_key)
     entry = None if graphs is None else graphs.pop(addresses, None)
     if entry is None:
+        if _evictions.get(entry_key, 0) >= MAX_IN_PLACE_EVICTIONS:
+            return False  # this call site's addresses do not come back often enough to pay for captures
         seen = _sightings.get((entry_key, addresses), 0) + 1
         if seen < IN_PLACE_AFTER:
             if len(_sightings) >= MAX_SIGHTINGS:
@@ -290,12 +297,16 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
         entry = _capture(tuple(map(_packed, inputs)), stream, launches, _packed(output))
         entry.inputs, entry.out = (), None  # nothing of the caller's stays alive through the entry
         graphs = _in_place.pop(entry_key, None) or {}
+        if len(_evictions) >= MAX_SIGHTINGS:
+            _evictions.clear()
         while len(graphs) >= MAX_IN_PLACE_PER_KEY:
             del graphs[next(iter(graphs))]
+            _evictions[entry_key] = _evictions.get(entry_key, 0) + 1
         while _in_place and sum(map(len, _in_place.values())) + len(graphs) >= MAX_IN_PLACE_GRAPHS:
-            del _in_place[next(iter(_in_place))]
+            oldest = next(iter(_in_place))
+            _evictions[oldest] = _evictions.get(oldest, 0) + len(_in_place.pop(oldest))
     else:
-        del _in_place[entry_key]
+        _in_place.pop(entry_key, None)  # to be put back last (another thread may have taken it out)
     graphs[addresses] = entry  # the most recently replayed last, of the key and among the keys
     _in_place[entry_key] = graphs
     entry.graph.replay()
@@ -361,6 +372,7 @@ def clear() -> None:
     _pools.clear()
     _sightings.clear()
     _in_place.clear()
+    _evictions.clear()
 
 
 def held() -> int:
