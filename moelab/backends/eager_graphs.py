@@ -32,16 +32,16 @@ place are read as updated. Entries live until ``MAX_GRAPHS`` are held (then the 
 Each holds its static buffers (T x H inputs and output) and its share of the pool.
 
 In place (``IN_PLACE``, on unless ``MOELAB_EAGER_GRAPHS_IN_PLACE=0``; on the H200 it takes a T = 1 call's host time
-from 1.28-1.34x its graph's to 1.09-1.11x, a LoRA call's from 1.6-3.0x to 1.1-1.4x), a call whose inputs and output
+from 1.15-1.34x its graph's to 1.07-1.26x, a LoRA call's from 1.5-3.0x to 1.1-1.4x), a call whose inputs and output
 lie where an earlier call's did (``IN_PLACE_AFTER`` times, as a decode loop's caching allocator hands a layer the
 same blocks step after step) replays a graph of its own that reads those tensors and writes the output where they
 lie: no copies in, no clone out, the host's work a key, a lookup and the replay. Its key adds the addresses; it
 holds no reference to the caller's tensors; inputs of another dtype than the buffers', strided or not 16-byte
 aligned keep the copies (a size-1 dimension's stride aside: read through a packed view). A key holds at most
 ``MAX_IN_PLACE_PER_KEY`` such graphs (a new address set replaces the one replayed least recently), all keys
-``MAX_IN_PLACE_GRAPHS``; a key that lost ``MAX_IN_PLACE_EVICTIONS`` of them to those budgets captures no more.
-The bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum,
-as the LoRA W2 shrink does for I > its tile's columns, the last bit may differ from run to run in either graph).
+``MAX_IN_PLACE_GRAPHS``; a key that lost ``MAX_IN_PLACE_EVICTIONS`` of them to those budgets captures no more. The
+bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum, as the LoRA W2 shrink does
+for I > its tile's columns, the last bit may differ from run to run in either graph).
 
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
 thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
