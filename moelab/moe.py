@@ -206,6 +206,11 @@ def validate_call(topk, hidden_states, weights, num_experts, top_k, local_expert
         check_tensor("output", output, dtypes=FLOAT_DTYPES, shape=(T, H))
         _checks.check_dtype("output", output, weights.dtype, "the weights")
         _checks.check_contiguous("output", output)
+        # the finalize (or the token-major GEMM2) reads the routing while it writes the output; x may be the
+        # output (every kernel that reads it has finished before the output is written)
+        routing = {"topk": packed} if packed is not None else {"topk[0] (ids)": ids,
+                                                               "topk[1] (weights)": expert_weights}
+        _checks.check_no_overlap("output", output, **routing)
     _checks.check_same_device(weights=weights.gemm1_weights, hidden_states=hidden_states,
                               gemm1_lora_delta=gemm1_lora_delta, output=output)
     if not isinstance(apply_router_weight_on_input, bool):

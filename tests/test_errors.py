@@ -261,6 +261,29 @@ def test_tuple_routing_takes_the_fast_path_and_is_still_checked(bad, match):
         moelab.routed_moe(bad(ids, w), x, mw, num_experts=E, top_k=K, validate=False)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_routed_moe_output_overlapping_the_routing_is_refused(backend):
+    """The finalize reads the routing while it writes ``output``: an output over the routing's memory would read
+    words it already overwrote. (``output`` may be ``hidden_states``: every kernel reading x ends before.)"""
+    T, dev = 3, (TRITON_DEVICE if backend == "triton" else "cpu")
+    mw = moelab.prepare_weights(*weights(torch.bfloat16, device=dev), backend=backend)
+    w, ids = routing(T, device=dev)
+    x = torch.randn(T, H, device=dev).bfloat16()
+    storage = torch.zeros(T * H, dtype=torch.bfloat16, device=dev)  # the output's memory, partly the routing's
+    packed = storage[: 2 * T * K].view(torch.int32).view(T, K)
+    packed.copy_(moelab.pack_topk_ids_weights(ids, w))
+    weights_over = storage[2 * T * K: 4 * T * K].view(torch.float32).view(T, K)
+    weights_over.copy_(w)
+    for topk, named in ((packed, r"topk"), ((ids, weights_over), r"topk\[1\] \(weights\)")):
+        with pytest.raises(ValueError, match=rf"^output: shares memory with {named}; .*pass a separate output"):
+            moelab.routed_moe(topk, x, mw, num_experts=E, top_k=K, output=storage.view(T, H))
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)  # apart: written; x may be the output
+    moelab.routed_moe(packed, x, mw, num_experts=E, top_k=K, output=out)
+    y = x.clone()
+    moelab.routed_moe(packed, y, mw, num_experts=E, top_k=K, output=y)
+    assert torch.equal(y, out) and not out.isnan().any()
+
+
 # ---------------------------------------------------------------------------------------------- finalize
 
 def _finalize_inputs(T=3, R=8, device="cpu"):
