@@ -92,6 +92,11 @@ MAX_GRAPHS = 512
 #: loop's caching allocator hands each layer the same blocks step after step); every other call takes the copies.
 IN_PLACE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE", "1") != "0"
 IN_PLACE_AFTER = 2
+#: Experimental, off until timed on a GPU (``MOELAB_EAGER_GRAPHS_LIGHT_CAPTURE=1``): capture with
+#: ``CUDAGraph.capture_begin``/``capture_end`` instead of ``torch.cuda.graph``, whose entry synchronizes the device
+#: and empties the caching allocator's cache. That can move the blocks later calls get, and so the addresses the
+#: in-place graphs wait for (BENCHMARKS.md, "In-place eager replays").
+LIGHT_CAPTURE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_LIGHT_CAPTURE", "0") == "1"
 #: In-place graphs of one key (the least recently replayed goes for a new address set) and of all keys (the key
 #: that replayed least recently loses its graphs first); their own budget, beside ``MAX_GRAPHS`` copy graphs.
 MAX_IN_PLACE_PER_KEY = 4
@@ -356,10 +361,18 @@ def _capture(static: tuple[torch.Tensor | None, ...], stream: torch.cuda.Stream,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
-                                                         stream=_side_streams[device.index],
-                                                         capture_error_mode="thread_local"):
-            out = launches(*static, out=out)
+        if LIGHT_CAPTURE:  # torch.cuda.graph's capture without its synchronize and empty_cache
+            with torch.cuda.stream(stream), torch.cuda.stream(_side_streams[device.index]):
+                graph.capture_begin(_pools[stream.cuda_stream], capture_error_mode="thread_local")
+                try:
+                    out = launches(*static, out=out)
+                finally:
+                    graph.capture_end()
+        else:
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
+                                                             stream=_side_streams[device.index],
+                                                             capture_error_mode="thread_local"):
+                out = launches(*static, out=out)
     finally:
         if collecting:
             gc.enable()
