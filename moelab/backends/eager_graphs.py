@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -112,6 +113,7 @@ _sightings: dict[tuple, int] = {}  # (key, addresses) -> calls seen at those add
 _in_place: dict[tuple, dict[tuple, _Entry]] = {}  # key -> addresses -> graph, least recently replayed first
 _evictions: dict[tuple, int] = {}  # key -> in-place graphs it lost to the budgets
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
+_pool_graphs: dict[int, weakref.WeakSet] = {}  # stream -> the graphs alive in its pool (light captures)
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
 
 
@@ -351,7 +353,10 @@ def _capture(static: tuple[torch.Tensor | None, ...], stream: torch.cuda.Stream,
     device = static[0].device
     if device.index not in _side_streams:
         _side_streams[device.index] = torch.cuda.Stream(device)
-    if stream.cuda_stream not in _pools:
+    live = _pool_graphs.setdefault(stream.cuda_stream, weakref.WeakSet())
+    if stream.cuda_stream not in _pools or (LIGHT_CAPTURE and not live):
+        # a pool whose graphs all died cannot take a light capture (torch.cuda.graph's empty_cache removes such a
+        # pool first; the light capture skips it): a new one
         _pools[stream.cuda_stream] = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
     # No cyclic garbage collection while capturing: a CUDA graph it frees (one the caller dropped) would run its
@@ -376,6 +381,7 @@ def _capture(static: tuple[torch.Tensor | None, ...], stream: torch.cuda.Stream,
     finally:
         if collecting:
             gc.enable()
+    live.add(graph)
     return _Entry(graph, static, out)
 
 
@@ -383,6 +389,7 @@ def clear() -> None:
     """Drop every captured graph and its buffers (their memory returns to torch's allocator)."""
     _graphs.clear()
     _pools.clear()
+    _pool_graphs.clear()
     _sightings.clear()
     _in_place.clear()
     _evictions.clear()
