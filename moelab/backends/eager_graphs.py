@@ -284,10 +284,10 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
     for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
         if t is None:
             pointers.append(0)
-        elif t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
+        elif t.dtype != dtype or not t.is_contiguous() or (pointer := t.data_ptr()) % 16:
             return False  # the copies into the buffers make it so
         else:
-            pointers.append(t.data_ptr())
+            pointers.append(pointer)
     addresses = tuple(pointers)
     graphs = _in_place.get(entry_key)
     entry = None if graphs is None else graphs.pop(addresses, None)
