@@ -4,6 +4,9 @@ the one config the table gives both?
     python scripts/gemm_sweep.py                                  # six shapes, T = 4096, 16384
     python scripts/gemm_sweep.py --shape qwen3-30b-a3b --tokens 1024 --json out.json
     python scripts/gemm_sweep.py --gemms gemm1 --candidates "64,64,8,3;64,64,8,4"   # other candidates
+    ncu --profile-from-start off -k regex:gemm --metrics gpu__time_duration.sum --csv \
+        python scripts/gemm_sweep.py --tokens 1 --ncu plan.json > ncu.csv                # decode: ncu's durations
+    python scripts/gemm_sweep.py --ncu-report plan.json ncu.csv
 
 For each shape and T: the routing of ``K`` distinct uniform experts per token (packed words, bf16 random weights at
 the real size), the segments at the table's ``BLOCK_M`` (``choose_config``), then GEMM1 (``gemm1_swiglu``) and
@@ -13,13 +16,19 @@ a201208's rule takes them (tiles of 128 rows or more over experts of ``TMA_MIN_H
 and, as a second variant, on every tile of 64 rows or more ("all"). Each candidate's output is compared with
 the table config's (relative error < 1e-2) on every live row before it is timed (``triton.testing.do_bench``
 median, L2 flushed). Prints a table per point (µs, time / the table config's); ``--json`` writes the rows.
+Kernels of a few µs (decode) read several µs apart from one ``do_bench`` to the next; under ``--ncu`` Nsight
+Compute times each launch alone on cold caches instead (the median of 3 per point), and ``--ncu-report`` prints those.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
+import json
+import statistics
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -40,7 +49,22 @@ CANDIDATES = [(128, 64, 8, 3, 1), (128, 64, 8, 4, 1), (128, 64, 8, 5, 1), (256, 
               (128, 32, 8, 6, 1), (128, 64, 8, 3, 8), (256, 64, 8, 3, 8)]
 
 
-def _time(fn):
+#: ``--ncu PLAN``: instead of timing, each point's launches run between ``cudaProfilerStart``/``Stop`` for Nsight
+#: Compute (``--profile-from-start off``), and PLAN lists them in order: ``--ncu-report`` joins ncu's durations.
+NCU_PLAN: list | None = None
+NCU_LAUNCHES = 3
+
+
+def _time(fn, label=None):
+    if NCU_PLAN is not None:  # the launches for ncu to time (its kernel replay flushes the caches before each)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for _ in range(NCU_LAUNCHES):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        NCU_PLAN.append(dict(label, launches=NCU_LAUNCHES))
+        return float("nan")
     if not torch.cuda.is_available():  # a smoke run in Triton's interpreter: one call's wall time
         t0 = time.perf_counter()
         fn()
@@ -88,13 +112,16 @@ def _sweep_point(shape, T, w13, w2, a, smem):
         fn, width = gemms[name]
         out = torch.empty(reach, width, dtype=torch.bfloat16, device=dev)
         want = fn(table, out).clone()
-        base = _time(lambda fn=fn, out=out: fn(table, out))
+        point = dict(shape=shape.name, T=T, gemm=name)
+        base = _time(lambda fn=fn, out=out: fn(table, out), dict(point, config=dataclasses.astuple(table),
+                                                                tma_everywhere=False, table=True))
         print(f"| {name} | config | TMA | µs | / table |\n|---|---|---|---|---|\n"
               f"| {name} | {table} | rule | {base:.1f} | 1.000 |", flush=True)
         start, seen = time.time(), set()
         for cfg in [table] + [GemmConfig(table.block_m, *c) for c in a.candidates]:
             cfg = fit_to_shared_memory(cfg, 2, 0, smem)
-            for everywhere in (False, True):
+            # below moe_gemm's smallest TMA tile both variants launch the same kernel: time it once
+            for everywhere in (False, True) if cfg.block_m >= VARIANTS[True]["TMA_MIN_BLOCK_M"] else (False,):
                 if time.time() - start > a.budget_s or (cfg, everywhere) in seen:
                     continue
                 seen.add((cfg, everywhere))
@@ -105,7 +132,8 @@ def _sweep_point(shape, T, w13, w2, a, smem):
                     if not err < 1e-2:
                         print(f"| {name} | {cfg} | {everywhere} | WRONG {err:.1e} | |", flush=True)
                         continue
-                    us = _time(lambda fn=fn, cfg=cfg, out=out: fn(cfg, out))
+                    us = _time(lambda fn=fn, cfg=cfg, out=out: fn(cfg, out),
+                               dict(point, config=dataclasses.astuple(cfg), tma_everywhere=everywhere, table=False))
                 except Exception as e:  # a config that does not compile: recorded, not fatal
                     print(f"| {name} | {cfg} | {everywhere} | {type(e).__name__}: {str(e)[:120]} | |", flush=True)
                     continue
@@ -133,6 +161,35 @@ def _candidate(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
     return values
 
 
+def ncu_report(plan_file: str, csv_file: str) -> None:
+    """Join ncu's ``--csv`` durations (``gpu__time_duration.sum``, launch order) with the PLAN of a ``--ncu`` run:
+    per point the median of its launches, in µs, and its ratio to the table config's; the best per GEMM."""
+    plan = json.loads(Path(plan_file).read_text())
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+    lines = Path(csv_file).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))  # ncu's own lines come first
+    durations = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+                 for r in csv.DictReader(lines[start:]) if r["Metric Name"] == "gpu__time_duration.sum"]
+    if len(durations) != sum(e["launches"] for e in plan):
+        raise SystemExit(f"{csv_file}: {len(durations)} GEMM launches profiled, the plan has "
+                         f"{sum(e['launches'] for e in plan)}: not the same run")
+    table, best = {}, {}
+    for e in plan:
+        e["us"] = statistics.median(durations[:e["launches"]])
+        del durations[:e["launches"]]
+        key = (e["shape"], e["T"], e["gemm"])
+        if e["table"]:
+            table.setdefault(key, e["us"])
+        ratio = e["us"] / table[key]
+        print(f"{e['shape']} T={e['T']} {e['gemm']} {tuple(e['config'])}{' tma_all' if e['tma_everywhere'] else ''}"
+              f"{' (table)' if e['table'] else ''}: {e['us']:.2f} µs, {ratio:.3f}x", flush=True)
+        if key not in best or e["us"] < best[key]["us"]:
+            best[key] = e
+    for key, e in best.items():
+        print(f"best {' '.join(map(str, key))}: {tuple(e['config'])} {e['us']:.2f} µs = {e['us'] / table[key]:.3f}x "
+              f"the table's {table[key]:.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b;deepseek-v3;mixtral")
@@ -142,7 +199,18 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--candidates", default=None, help="BLOCK_N,BLOCK_K,warps,stages[,group_m] tuples separated by "
                    "';' instead of CANDIDATES")
+    p.add_argument("--ncu", default=None, metavar="PLAN", help="run under Nsight Compute (--profile-from-start off "
+                   "-k regex:gemm --metrics gpu__time_duration.sum --csv > CSV): no timing here, the launches' order "
+                   "goes to the JSON file PLAN")
+    p.add_argument("--ncu-report", nargs=2, default=None, metavar=("PLAN", "CSV"),
+                   help="print each point's median ncu duration (µs) and its ratio to the table config's")
     a = p.parse_args(argv)
+    if a.ncu_report:
+        return ncu_report(*a.ncu_report)
+    if a.ncu and not torch.cuda.is_available():
+        p.error("--ncu: needs a CUDA GPU (Nsight Compute times its launches)")
+    global NCU_PLAN
+    NCU_PLAN = [] if a.ncu else None
     a.candidates = CANDIDATES if a.candidates is None else [_candidate(p, c) for c in a.candidates.split(";")
                                                              if c.strip()]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -154,6 +222,8 @@ def main(argv=None):
         for T in (int(t) for t in a.tokens.split(",")):
             rows += sweep_point(shape, T, w13, w2, a, smem)
             write_rows(a.json, rows)
+            if a.ncu:
+                Path(a.ncu).write_text(json.dumps(NCU_PLAN, indent=1))
         del w13, w2
         torch.cuda.empty_cache()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from token_major_ab import _call, _inputs, _layer  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from token_major_ab import _call, _force, _inputs, _layer  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from moelab.roofline import get_shape
 
@@ -22,7 +22,11 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--calls", type=int, default=1)
+    p.add_argument("--tiled", action="store_true", help="the tiled pipeline at every T (segments, GEMM1, GEMM2, "
+                   "finalize: what a CUDA graph of a decode call runs), not the token-major path")
     a = p.parse_args(argv)
+    if a.tiled:
+        _force(0)
     shape, device = get_shape(a.shape), torch.device("cuda")
     x, packed = _inputs(shape, a.tokens, torch.bfloat16, device)
     call = _call(packed, x, _layer(shape, torch.bfloat16, device), shape)
