@@ -10,7 +10,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
 OUT=${OUT:-build/device_decode}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"
-for shape in ${NCU_SHAPES:-qwen3-30b-a3b olmoe}; do
+for shape in ${NCU_SHAPES-qwen3-30b-a3b olmoe}; do
   el "ncu $shape T=1, tiled"
   MOELAB_EAGER_GRAPHS=0 timeout -s INT 90 ncu --clock-control none -k regex:"segments|gemm|finalize" \
     --launch-skip 4 --launch-count 4 --section SpeedOfLight --section LaunchStats --section Occupancy \

@@ -161,15 +161,21 @@ def _candidate(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
     return values
 
 
+def ncu_durations(csv_file: str) -> list[tuple[str, float]]:
+    """(kernel name, µs) of each launch in an ``ncu --csv --metrics gpu__time_duration.sum`` output, in launch order
+    (the program's own output may come first)."""
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+    lines = Path(csv_file).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    return [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]])
+            for r in csv.DictReader(lines[start:]) if r.get("Metric Name") == "gpu__time_duration.sum"]
+
+
 def ncu_report(plan_file: str, csv_file: str) -> None:
     """Join ncu's ``--csv`` durations (``gpu__time_duration.sum``, launch order) with the PLAN of a ``--ncu`` run:
     per point the median of its launches, in µs, and its ratio to the table config's; the best per GEMM."""
     plan = json.loads(Path(plan_file).read_text())
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
-    lines = Path(csv_file).read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))  # ncu's own lines come first
-    durations = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
-                 for r in csv.DictReader(lines[start:]) if r["Metric Name"] == "gpu__time_duration.sum"]
+    durations = [us for _, us in ncu_durations(csv_file)]
     if len(durations) != sum(e["launches"] for e in plan):
         raise SystemExit(f"{csv_file}: {len(durations)} GEMM launches profiled, the plan has "
                          f"{sum(e['launches'] for e in plan)}: not the same run")

@@ -76,7 +76,9 @@ __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
 @dataclass(frozen=True)
 class TokenMajorConfig:
     """Tiles of the two kernels: GEMM1 programs are (slot, BLOCK_N1 columns of I), GEMM2 programs (token, BLOCK_N2
-    columns of H); each steps over its reduction in BLOCK_K elements."""
+    columns of H); each steps over its reduction in BLOCK_K elements. ``stages1``/``stages2``: the reduction loop's
+    software pipeline depth (``tl.range(num_stages=...)``: Triton then prefetches the loop's loads, which it does
+    not for loads that feed no ``tl.dot`` unless asked); None leaves the loop as Triton builds it unasked."""
 
     block_n1: int
     block_k1: int
@@ -84,6 +86,8 @@ class TokenMajorConfig:
     block_n2: int
     block_k2: int
     warps2: int
+    stages1: int | None = None
+    stages2: int | None = None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -149,6 +153,7 @@ def _token_major_gemm1_kernel(
     SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None, s13_ptr=None, up_b_ptr=None, gate_b_ptr=None,
     down_a_ptr=None, s2_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
+    STAGES: tl.constexpr = None,
 ):
     """act [T*K, I] row ``slot`` = the activation of GEMM1 (+ bias) of the slot's token and expert, columns
     ``program_id(1) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never reads them).
@@ -173,7 +178,7 @@ def _token_major_gemm1_kernel(
             in_weight = _slot_weight(routing_ptr, weights_ptr, slot, None, PACKED)
         acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k_ok = ks + k0 < H
             a = tl.load(x_row + k0, mask=k_ok, other=0.0)
             if IN_WEIGHT:
@@ -236,7 +241,7 @@ def _token_major_gemm2_kernel(
     PACKED: tl.constexpr, WEIGHTED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
     s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
-    LORA_K_TILES: tl.constexpr = False,
+    LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
@@ -260,7 +265,7 @@ def _token_major_gemm2_kernel(
     if LORA:
         adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, t, num_loras, max_rank)
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_K):
+    for i0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         i_ok = ks + i0 < I
         a = tl.load(a_ptrs + i0, mask=local[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + i0, mask=w_rows_ok & i_ok[None, None, :], other=0.0).to(tl.float32)
@@ -343,10 +348,11 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
         stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
         GATED=gated, SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit, BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, **common, **lora1)
+        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, STAGES=cfg.stages1, **common, **lora1)
     _token_major_gemm2_kernel[(T, cdiv(H, cfg.block_n2))](
         act_ptr=act, w2_ptr=w2, out_ptr=output, bias_ptr=w2_bias, H=H, I=I, stride_w_e=w2.stride(0),
         stride_w_n=w2.stride(1), stride_out_t=output.stride(0), WEIGHTED=not weight_on_input, K_PAD=next_pow2(K),
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, ROUND_WEIGHTS=round_weights, **common,
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, STAGES=cfg.stages2,
+        ROUND_WEIGHTS=round_weights, **common,
         **lora2)
     return output
