@@ -97,14 +97,24 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     power of two, so small test shapes do not mask most of a tile."""
     if _runtime.INTERPRET:
         return TokenMajorConfig(16, 32, 1, 16, 32, 1)
-    # H200, 2026-12-02, T = 1 (scripts/token_major_ab.py --sweep; BENCHMARKS.md, "The token-major decode path"):
-    # long steps won. GEMM1: 16 x 512 at H < 4096 (Qwen3 39.5 µs), 16 x 1024 from 4096 (Mixtral 213 against 218,
-    # DeepSeek-V3 191 against 200). GEMM2, whose step holds the K experts' tiles: 16 x 256 for K = 8 (Qwen3 38.8,
-    # DeepSeek-V3 200: the best of 8 tiles), 8 x 512 for K <= 4 (Mixtral 201 against 240, GPT-OSS 75 against 91).
-    # K > 8 (not measured) keeps K = 8's 32K weight elements a step: BLOCK_K shrinks as K_PAD grows.
-    block_k1 = 1024 if hidden >= 4096 else 512
+    if hidden < 4096:
+        # H200, 2026-12-04, H = 2048-2880 (Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B; scripts/token_major_ncu.py,
+        # each kernel alone under Nsight Compute, BENCHMARKS.md "Pipelined token-major kernels"): the loads
+        # prefetched (stages) and shorter steps took GEMM1 to 0.72-0.91x and GEMM2 to 0.58-0.75x of the unpipelined
+        # tiles (16 x 512, 8 warps; GEMM2 16 x 256 at K = 8, 8 x 512 at K <= 4) at T = 1 (Qwen3: 16.3 and 10.4 µs
+        # against 18.0 and 15.1), and to 0.88-0.98x and 0.64-0.95x at T = 2. GEMM2's best tile at T = 1, 4 columns
+        # x 128 (4 stages), loses 6-11 % at T = 2 to 8 x 128 (3 stages).
+        # Not measured at H >= 4096 (Mixtral, DeepSeek-V3), which keep the tiles above.
+        block_n2, stages2 = (4, 4) if num_tokens == 1 and top_k > 4 else (8, 4 if num_tokens == 1 else 3)
+        return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
+                                stages1=3, stages2=stages2)
+    # H >= 4096: H200, 2026-12-02, T = 1, loops not pipelined (scripts/token_major_ab.py --sweep; BENCHMARKS.md, "The
+    # token-major decode path"): long steps won. GEMM1 16 x 1024 (Mixtral 213 against 218, DeepSeek-V3 191 against
+    # 200; 16 x 512 then won at H < 4096). GEMM2, whose step holds the K experts' tiles: 16 x 256 for K = 8
+    # (DeepSeek-V3 200: the best of 8 tiles), 8 x 512 for K <= 4 (Mixtral 201 against 240). K > 8 (not measured)
+    # keeps K = 8's 32K weight elements a step: BLOCK_K shrinks as K_PAD grows.
     block_n2, block_k2 = (8, 512) if top_k <= 4 else (16, 2048 // max(8, next_pow2(top_k)))
-    return TokenMajorConfig(16, min(block_k1, next_pow2(hidden)), 8, block_n2, min(block_k2, next_pow2(inter)), 8)
+    return TokenMajorConfig(16, min(1024, next_pow2(hidden)), 8, block_n2, min(block_k2, next_pow2(inter)), 8)
 
 
 @jit
