@@ -154,16 +154,20 @@ def test_the_rule():
     assert not takes(1, 8, False, False, **qwen3) and not takes(1, 8, True, True, **qwen3)
     assert not takes(0, 8, True, False, **qwen3)
     assert takes(1, 8, True, False, True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH >= 8)
+    assert takes(1, 8, True, False, True, lora=True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA >= 8)
+    assert not takes(1, 8, True, False, lora=True, num_local_experts=16, expert_bytes=1), "8 slots share 16 experts"
     assert not takes(2, 2, True, False, num_local_experts=8, expert_bytes=1), "Mixtral T=2: 4 slots share 8 experts"
     mixtral = dict(num_local_experts=8, expert_bytes=3 * 4096 * 14336 * 2)
     assert takes(1, 2, True, False, **mixtral) and takes(1, 2, True, False, True, **mixtral), "one token, big experts"
     assert not takes(2, 2, True, False, **mixtral) and not takes(2, 2, True, False, True, **mixtral)
     gpt_oss = dict(num_local_experts=32, expert_bytes=3 * 2880 * 2880 * 2)
     assert takes(1, 4, True, False, **gpt_oss) and not takes(2, 4, True, False, **gpt_oss)
-    assert not takes(1, 4, True, False, True, **gpt_oss), "50 MB experts: the tiled pipeline in graphs"
+    assert takes(1, 4, True, False, True, **gpt_oss) and takes(2, 4, True, False, True, **gpt_oss), "graphs: no bytes"
+    assert not takes(4, 4, True, False, True, **gpt_oss), "16 slots share 32 experts: the tiled pipeline in graphs"
+    assert not takes(1, 4, True, False, True, lora=True, **gpt_oss), "a bank: the tiled pipeline in graphs"
     e128 = dict(num_local_experts=128, expert_bytes=3 * 4096 * 1536 * 2)  # 8 slots of 37.7 MB: past the byte limit
     assert takes(1, 8, True, False, **e128), "one token eagerly: no byte limit"
-    assert not takes(2, 8, True, False, **e128) and not takes(1, 8, True, False, True, **e128)
+    assert not takes(2, 8, True, False, **e128) and takes(1, 8, True, False, True, **e128)
 
 
 def test_the_rule_sees_the_call(device, monkeypatch):
@@ -184,6 +188,7 @@ def test_the_rule_sees_the_call(device, monkeypatch):
 def test_the_readme_switch_rules_it_out(monkeypatch):
     """README's way to rule the path out: both limits set as it says, no call takes it."""
     monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS", 0)
+    monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS_GRAPH", 0)
     monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_BIG_EXPERT_BYTES", 1 << 62)
     mixtral = dict(num_local_experts=8, expert_bytes=3 * 4096 * 14336 * 2)
     for capturing in (False, True):

@@ -138,8 +138,16 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #:   past it (E128 K8 H4096 I1536: 302 MB, 3.16x eagerly on the tiled pipeline);
 #: - eagerly and in CUDA graphs, one token whose experts are large (``TOKEN_MAJOR_BIG_EXPERT_BYTES`` each): the
 #:   token-major GEMMs then beat the tiled ones on the GPU itself;
-#: - in CUDA graphs otherwise up to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` slots (0): there no host time is left to save, and
-#:   the tiled pipeline is as fast or faster at most points.
+#: - in CUDA graphs otherwise up to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` slots that rarely share an expert (as eagerly),
+#:   since the token-major loops are pipelined (``choose_token_major_config``, 2026-12-04): two launches instead of
+#:   four, each GEMM as fast as the tiled one or faster. H200, ``scripts/host_cost.py --layers 4`` (four layers in
+#:   turn in one graph, µs a layer), T = 1, tiled against token-major: Qwen3-30B-A3B 30.0 against 23.2, OLMoE 36.6-36.8
+#:   against 36.3-36.4, E64 K6 38.2 against 36.8-36.9, GPT-OSS-20B 64.4-64.5 against 63.2; ``scripts/token_major_ab.py``
+#:   (one call a graph) at T = 2: Qwen3 55.2 against 51.9, OLMoE 74.3 against 67.5, E64 K6 71.8 against 67.1,
+#:   GPT-OSS 120.0 against 120.4. ``LoRAExperts`` with a bank keeps the tiled pipeline in graphs
+#:   (``TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA``, 0): its token-major graph (three launches) read 31.9 against 34.0 µs on
+#:   Qwen3 but 41.2-41.5 against 41.1-41.2 on OLMoE, 43.5 against 41.6-41.7 on E64 K6 and 68.6-68.8 against 66.8 on
+#:   GPT-OSS (the same runs). Before the pipelined loops the tiled pipeline was as fast or faster at most points.
 #:
 #: One H200, 2026-12-02, commit 4d268ac, bf16, µs, token-major against tiled (``scripts/token_major_ab.py``;
 #: BENCHMARKS.md, "The token-major decode path"). Eager: Qwen3-30B-A3B T=1 50-126 against 123-287 (the bench: 45
@@ -151,22 +159,24 @@ TOKEN_MAJOR_MAX_SLOTS = 16
 TOKEN_MAJOR_EXPERTS_PER_SLOT = 4
 TOKEN_MAJOR_MAX_BYTES = 256 * 2**20
 TOKEN_MAJOR_BIG_EXPERT_BYTES = 64 * 2**20
-TOKEN_MAJOR_MAX_SLOTS_GRAPH = 0
+TOKEN_MAJOR_MAX_SLOTS_GRAPH = 16
+TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA = 0
 
 
 def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, capturing: bool = False, *,
-                      num_local_experts: int | None = None, expert_bytes: int = 0) -> bool:
+                      num_local_experts: int | None = None, expert_bytes: int = 0, lora: bool = False) -> bool:
     """Whether :func:`routed_moe` runs ``T`` tokens of ``K`` experts on the token-major path, eagerly or
     (``capturing``) while a CUDA graph is captured; ``num_local_experts`` (None: not limited) and
-    ``expert_bytes`` (one expert's weights) as ``TOKEN_MAJOR_MAX_SLOTS`` explains."""
+    ``expert_bytes`` (one expert's weights) as ``TOKEN_MAJOR_MAX_SLOTS`` explains; ``lora``: a ``LoRAExperts``
+    call with a bank (its own limit in graphs)."""
     slots = T * K
     if not do_finalize or has_delta or slots == 0:
         return False
     if T == 1 and expert_bytes >= TOKEN_MAJOR_BIG_EXPERT_BYTES:
         return True
-    if capturing:
-        return slots <= TOKEN_MAJOR_MAX_SLOTS_GRAPH
     few_shared = num_local_experts is None or TOKEN_MAJOR_EXPERTS_PER_SLOT * slots <= num_local_experts
+    if capturing:
+        return few_shared and slots <= (TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA if lora else TOKEN_MAJOR_MAX_SLOTS_GRAPH)
     return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and (T == 1 or slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES)
 
 
@@ -471,7 +481,8 @@ def _lora_token_major(call: LoRAExpertsCall) -> bool:
         return False
     if call.path != "token-major" and (call.path is not None or not takes_token_major(
             T, K, True, False, x.is_cuda and torch.cuda.is_current_stream_capturing(),
-            num_local_experts=W.num_local_experts, expert_bytes=_expert_bytes(W.gemm1_weights, W.gemm2_weights))):
+            num_local_experts=W.num_local_experts, expert_bytes=_expert_bytes(W.gemm1_weights, W.gemm2_weights),
+            lora=call.bank is not None)):
         return False
     weights = _kernel_weights(call.topk_weights)
     # The module's bank also without adapters in this batch: the same kernels run, none of its slots adding anything

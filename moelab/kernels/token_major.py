@@ -97,24 +97,18 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     power of two, so small test shapes do not mask most of a tile."""
     if _runtime.INTERPRET:
         return TokenMajorConfig(16, 32, 1, 16, 32, 1)
-    if hidden < 4096:
-        # H200, 2026-12-04, H = 2048-2880 (Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B; scripts/token_major_ncu.py,
-        # each kernel alone under Nsight Compute, BENCHMARKS.md "Pipelined token-major kernels"): the loads
-        # prefetched (stages) and shorter steps took GEMM1 to 0.72-0.91x and GEMM2 to 0.58-0.75x of the unpipelined
-        # tiles (16 x 512, 8 warps; GEMM2 16 x 256 at K = 8, 8 x 512 at K <= 4) at T = 1 (Qwen3: 16.3 and 10.4 µs
-        # against 18.0 and 15.1), and to 0.88-0.98x and 0.64-0.95x at T = 2. GEMM2's best tile at T = 1, 4 columns
-        # x 128 (4 stages), loses 6-11 % at T = 2 to 8 x 128 (3 stages).
-        # Not measured at H >= 4096 (Mixtral, DeepSeek-V3), which keep the tiles above.
-        block_n2, stages2 = (4, 4) if num_tokens == 1 and top_k > 4 else (8, 4 if num_tokens == 1 else 3)
-        return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
-                                stages1=3, stages2=stages2)
-    # H >= 4096: H200, 2026-12-02, T = 1, loops not pipelined (scripts/token_major_ab.py --sweep; BENCHMARKS.md, "The
-    # token-major decode path"): long steps won. GEMM1 16 x 1024 (Mixtral 213 against 218, DeepSeek-V3 191 against
-    # 200; 16 x 512 then won at H < 4096). GEMM2, whose step holds the K experts' tiles: 16 x 256 for K = 8
-    # (DeepSeek-V3 200: the best of 8 tiles), 8 x 512 for K <= 4 (Mixtral 201 against 240). K > 8 (not measured)
-    # keeps K = 8's 32K weight elements a step: BLOCK_K shrinks as K_PAD grows.
-    block_n2, block_k2 = (8, 512) if top_k <= 4 else (16, 2048 // max(8, next_pow2(top_k)))
-    return TokenMajorConfig(16, min(1024, next_pow2(hidden)), 8, block_n2, min(block_k2, next_pow2(inter)), 8)
+    # H200, 2026-12-04 (scripts/token_major_ncu.py: each kernel alone under Nsight Compute, the median of 3 launches
+    # on cold caches; BENCHMARKS.md, "Pipelined token-major kernels"). Loads prefetched by a software pipeline
+    # (stages) over shorter steps beat the unpipelined long steps of 2026-12-02 (GEMM1 16 x 512, 8 warps, 16 x 1024 at
+    # H >= 4096; GEMM2 16 x 256 at K = 8, 8 x 512 at K <= 4) at T = 1 on six shapes: GEMM1 16 x 256 with 4 warps,
+    # 0.72-0.91x of them at H = 2048-2880 (Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B; 3 stages, Qwen3 16.3 against
+    # 18.0 µs) and 0.93-0.96x at H = 4096-7168 (Mixtral, DeepSeek-V3; 4 stages: 3 read 1.10x on DeepSeek-V3);
+    # GEMM2 4 x 128 (K > 4) or 8 x 128 (K <= 4) with 4 warps and 4 stages, 0.58-0.84x (Qwen3 10.4 against 15.1 µs).
+    # At T = 2 (the four shapes of H < 4096) GEMM2's 8 x 128 with 3 stages read 0.64-0.95x and 4 x 128 lost 6-11 %
+    # to it; T >= 2 at H >= 4096 not measured.
+    block_n2 = 4 if num_tokens == 1 and top_k > 4 else 8
+    return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
+                            stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3)
 
 
 @jit
