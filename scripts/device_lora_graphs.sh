@@ -4,9 +4,8 @@
 #   2. scripts/host_cost.py back to back, four layers in turn, T = 1, 8 and 32, in one process per setting:
 #      the base call, one rank-16 adapter (--lora 16) and a bank of 8 adapters of ranks 64/32/16/8 (tokens in turn)
 #      with the replays (MOELAB_EAGER_GRAPHS=1), then the two LoRA variants without them (=0; RUNS=graphs:1
-#      leaves that out; RUNS="copies:1:0 graphs:1 launches:0" adds the replays without in-place graphs,
-#      "light:1:1:1" the light captures, MOELAB_EAGER_GRAPHS_LIGHT_CAPTURE=1; SHAPES, TOKENS,
-#      LAYERS and VARIANTS change what runs)                                                                 <= 330 s
+#      leaves that out; RUNS="copies:1:0 graphs:1 launches:0" adds the replays without in-place graphs;
+#      SHAPES, TOKENS, LAYERS and VARIANTS change what runs)                                                                 <= 330 s
 #   3. scripts/host_time.py: a replayed LoRAExperts call's host time split by the functions it passes through
 #      (SPLIT=0 leaves it out)                                                                               <= 60 s
 # From the repo root: run(command="MOELAB_COMMIT=<commit> bash scripts/device_lora_graphs.sh", timeout_s=590).
@@ -19,11 +18,11 @@ el "GPU tests of the LoRA and graph paths"
 WORKERS=${WORKERS:-12} gpu_tests "${TESTS_S:-170}" ${TESTS:-tests/test_eager_graphs.py tests/test_experts.py \
   tests/test_lora_banks.py tests/test_lora.py tests/test_token_major.py}
 SHAPES=${SHAPES:-"qwen3-30b-a3b;olmoe;gpt-oss-20b;64,6,2048,1408"}
-for run in ${RUNS:-graphs:1 launches:0}; do  # name:MOELAB_EAGER_GRAPHS[:..._IN_PLACE[:..._LIGHT_CAPTURE]]
-  IFS=: read -r name on in_place light <<< "$run"; name=host_lora_$name
+for run in ${RUNS:-graphs:1 launches:0}; do  # name:MOELAB_EAGER_GRAPHS[:MOELAB_EAGER_GRAPHS_IN_PLACE]
+  IFS=: read -r name on in_place <<< "$run"; name=host_lora_$name
   variants=${VARIANTS:-"base 16 64,32,16,8,64,32,16,8"}; [ "$on" = 0 ] && variants=${variants#base }
-  el "host cost, $name, MOELAB_EAGER_GRAPHS=$on, ..._IN_PLACE=${in_place:-1}, ..._LIGHT_CAPTURE=${light:-0}: $variants"
-  MOELAB_EAGER_GRAPHS=$on MOELAB_EAGER_GRAPHS_IN_PLACE=${in_place:-1} MOELAB_EAGER_GRAPHS_LIGHT_CAPTURE=${light:-0} \
+  el "host cost, $name, MOELAB_EAGER_GRAPHS=$on, MOELAB_EAGER_GRAPHS_IN_PLACE=${in_place:-1}: $variants"
+  MOELAB_EAGER_GRAPHS=$on MOELAB_EAGER_GRAPHS_IN_PLACE=${in_place:-1} \
     timeout -s INT "${HOST_S:-160}" python3 - "$SHAPES" $variants <<'PY' 2>&1 \
     | tee "$OUT/$name.txt" | grep -v "^moelab"
 import os, runpy, sys

@@ -61,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -93,11 +92,6 @@ MAX_GRAPHS = 512
 #: loop's caching allocator hands each layer the same blocks step after step); every other call takes the copies.
 IN_PLACE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_IN_PLACE", "1") != "0"
 IN_PLACE_AFTER = 2
-#: Experimental, off until timed on a GPU (``MOELAB_EAGER_GRAPHS_LIGHT_CAPTURE=1``): capture with
-#: ``CUDAGraph.capture_begin``/``capture_end`` instead of ``torch.cuda.graph``, whose entry synchronizes the device
-#: and empties the caching allocator's cache. That can move the blocks later calls get, and so the addresses the
-#: in-place graphs wait for (BENCHMARKS.md, "In-place eager replays").
-LIGHT_CAPTURE: bool = os.environ.get("MOELAB_EAGER_GRAPHS_LIGHT_CAPTURE", "0") == "1"
 #: In-place graphs of one key (the least recently replayed goes for a new address set) and of all keys (the key
 #: that replayed least recently loses its graphs first); their own budget, beside ``MAX_GRAPHS`` copy graphs.
 MAX_IN_PLACE_PER_KEY = 4
@@ -113,7 +107,6 @@ _sightings: dict[tuple, int] = {}  # (key, addresses) -> calls seen at those add
 _in_place: dict[tuple, dict[tuple, _Entry]] = {}  # key -> addresses -> graph, least recently replayed first
 _evictions: dict[tuple, int] = {}  # key -> in-place graphs it lost to the budgets
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
-_pool_graphs: dict[int, weakref.WeakSet] = {}  # stream -> the graphs alive in its pool (light captures)
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
 
 
@@ -353,10 +346,7 @@ def _capture(static: tuple[torch.Tensor | None, ...], stream: torch.cuda.Stream,
     device = static[0].device
     if device.index not in _side_streams:
         _side_streams[device.index] = torch.cuda.Stream(device)
-    live = _pool_graphs.setdefault(stream.cuda_stream, weakref.WeakSet())
-    if stream.cuda_stream not in _pools or (LIGHT_CAPTURE and not live):
-        # a pool whose graphs all died cannot take a light capture (torch.cuda.graph's empty_cache removes such a
-        # pool first; the light capture skips it): a new one
+    if stream.cuda_stream not in _pools:
         _pools[stream.cuda_stream] = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
     # No cyclic garbage collection while capturing: a CUDA graph it frees (one the caller dropped) would run its
@@ -366,22 +356,13 @@ def _capture(static: tuple[torch.Tensor | None, ...], stream: torch.cuda.Stream,
     collecting = gc.isenabled()
     gc.disable()
     try:
-        if LIGHT_CAPTURE:  # torch.cuda.graph's capture without its synchronize and empty_cache
-            with torch.cuda.stream(stream), torch.cuda.stream(_side_streams[device.index]):
-                graph.capture_begin(_pools[stream.cuda_stream], capture_error_mode="thread_local")
-                try:
-                    out = launches(*static, out=out)
-                finally:
-                    graph.capture_end()
-        else:
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
-                                                             stream=_side_streams[device.index],
-                                                             capture_error_mode="thread_local"):
-                out = launches(*static, out=out)
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=_pools[stream.cuda_stream],
+                                                         stream=_side_streams[device.index],
+                                                         capture_error_mode="thread_local"):
+            out = launches(*static, out=out)
     finally:
         if collecting:
             gc.enable()
-    live.add(graph)
     return _Entry(graph, static, out)
 
 
@@ -389,7 +370,6 @@ def clear() -> None:
     """Drop every captured graph and its buffers (their memory returns to torch's allocator)."""
     _graphs.clear()
     _pools.clear()
-    _pool_graphs.clear()
     _sightings.clear()
     _in_place.clear()
     _evictions.clear()
