@@ -105,7 +105,12 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     # 18.0 µs) and 0.93-0.96x at H = 4096-7168 (Mixtral, DeepSeek-V3; 4 stages: 3 read 1.10x on DeepSeek-V3);
     # GEMM2 4 x 128 (K > 4) or 8 x 128 (K <= 4) with 4 warps and 4 stages, 0.58-0.84x (Qwen3 10.4 against 15.1 µs).
     # At T = 2 (the four shapes of H < 4096) GEMM2's 8 x 128 with 3 stages read 0.64-0.95x and 4 x 128 lost 6-11 %
-    # to it; T >= 2 at H >= 4096 not measured.
+    # to it; T >= 2 at H >= 4096 not measured. In the bench at 60e4b67 (CUDA graphs, T = 1) these tiles read Qwen3
+    # 33.9 µs (tiled pipeline 38.4), DeepSeek-V3 178.9 (unpipelined 188.9) and E128 K8 93.6 (tiled 95.4), but
+    # Mixtral 227.4 against the unpipelined tiles' 195.6 of 4d268ac, while its eager call read 186.1 against 196.7:
+    # not diagnosed, so large experts of K <= 4 (Mixtral's) keep the unpipelined tiles.
+    if hidden >= 4096 and top_k <= 4:
+        return TokenMajorConfig(16, min(1024, next_pow2(hidden)), 8, 8, min(512, next_pow2(inter)), 8)
     block_n2 = 4 if num_tokens == 1 and top_k > 4 else 8
     return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
                             stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3)
