@@ -55,14 +55,20 @@ NCU_PLAN: list | None = None
 NCU_LAUNCHES = 3
 
 
+def launch_for_ncu(fn, launches: int = NCU_LAUNCHES) -> None:
+    """``fn()`` ``launches`` times between ``cudaProfilerStart`` and ``Stop``: the launches an ``ncu
+    --profile-from-start off`` run times (its kernel replay flushes the caches before each)."""
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(launches):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def _time(fn, label=None):
-    if NCU_PLAN is not None:  # the launches for ncu to time (its kernel replay flushes the caches before each)
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for _ in range(NCU_LAUNCHES):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+    if NCU_PLAN is not None:
+        launch_for_ncu(fn)
         NCU_PLAN.append(dict(label, launches=NCU_LAUNCHES))
         return float("nan")
     if not torch.cuda.is_available():  # a smoke run in Triton's interpreter: one call's wall time

@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from gemm_sweep import ncu_durations  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from gemm_sweep import launch_for_ncu, ncu_durations  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 import moelab
 from moelab.bench.cli import _split_shapes
@@ -74,12 +74,7 @@ def sweep_shape(shape, T: int, plan: list, plan_file: str) -> None:
         if not err < 1e-2:
             print(f"{shape.name} {cfg}: WRONG {err:.1e}", flush=True)
             continue
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for _ in range(LAUNCHES):
-            call()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        launch_for_ncu(call, LAUNCHES)
         plan.append(dict(shape=shape.name, T=T, config=dataclasses.astuple(cfg), launches=LAUNCHES))
         Path(plan_file).write_text(json.dumps(plan, indent=1))
 
