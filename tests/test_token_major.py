@@ -68,6 +68,29 @@ def _routed(p, weights, *, E, K, packed, on_input=False, offset=0):
     return out
 
 
+@pytest.mark.parametrize("T, K", [(1, 6), (1, 2), (2, 6)])
+@pytest.mark.parametrize("rule_hidden", [None, 4096], ids=["rule-at-H", "rule-at-4096"])
+def test_the_gpu_tiles(T, K, rule_hidden, device, monkeypatch):
+    """The tiles ``choose_token_major_config`` gives a GPU (pipelined loops, GEMM2's 4- and 8-column tiles; at
+    H >= 4096 with K <= 4 the unpipelined ones), run here on a problem off every tile (the interpreter ignores the
+    pipeline depth): right against the float64 reference, every output element written."""
+    from moelab import _runtime
+    from moelab.kernels import token_major
+    E, H, I = 16, 40, 24
+    with monkeypatch.context() as m:
+        m.setattr(_runtime, "INTERPRET", False)  # the GPU's choice, whatever runs it
+        token_major.choose_token_major_config.cache_clear()
+        cfg = token_major.choose_token_major_config(T, K, rule_hidden or H, I)
+    token_major.choose_token_major_config.cache_clear()
+    assert (cfg.stages1 is None) == (rule_hidden == 4096 and K <= 4), cfg
+    p = _problem(T, K, E, H, I, device=device, seed=70 + T * 10 + K)
+    packed = moelab.pack_topk_ids_weights(p["ids"], p["w"])
+    out = poison(torch.empty_like(p["x"]))
+    token_major.token_major_moe(packed, None, p["x"], p["w13"], p["w2"], out, config=cfg)  # w13: HF order, as triton
+    ref = reference.routed_moe(p["ids"], reference.bf16_round(p["w"]), p["x"], p["w13"], p["w2"])
+    assert_close_to_reference(out, ref["output"], torch.float32, f"{cfg}")
+
+
 @pytest.mark.parametrize("bias,on_input,packed", [(False, False, False), (True, False, False), (True, True, True),
                                                   (True, True, False)],
                          ids=["plain", "bias", "bias-oninput-packed", "bias-oninput-tuple"])
