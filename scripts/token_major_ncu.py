@@ -27,6 +27,7 @@ import moelab
 from moelab.bench.cli import _split_shapes
 from moelab.kernels.token_major import TokenMajorConfig, choose_token_major_config, token_major_moe
 from moelab.lab import rel_err
+from moelab.permutation import next_pow2
 from moelab.roofline import get_shape
 
 #: (block_n1, block_k1, warps1, stages1) and (block_n2, block_k2, warps2, stages2), paired by position.
@@ -40,8 +41,7 @@ LAUNCHES = 3
 def configs(T, K, H, I) -> list[TokenMajorConfig]:
     """The default config, then the candidates with BLOCK_K capped at the reduction's power of two."""
     default = choose_token_major_config(T, K, H, I)
-    cap = lambda block_k, n: min(block_k, 1 << (n - 1).bit_length())  # noqa: E731
-    return [default] + [TokenMajorConfig(n1, cap(k1, H), w1, n2, cap(k2, I), w2, s1, s2)
+    return [default] + [TokenMajorConfig(n1, min(k1, next_pow2(H)), w1, n2, min(k2, next_pow2(I)), w2, s1, s2)
                         for (n1, k1, w1, s1), (n2, k2, w2, s2) in zip(GEMM1, GEMM2)]
 
 

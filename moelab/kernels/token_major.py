@@ -110,7 +110,7 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     # Mixtral 227.4 against the unpipelined tiles' 195.6 of 4d268ac, while its eager call read 186.1 against 196.7:
     # not diagnosed, so large experts of K <= 4 (Mixtral's) keep the unpipelined tiles.
     if hidden >= 4096 and top_k <= 4:
-        return TokenMajorConfig(16, min(1024, next_pow2(hidden)), 8, 8, min(512, next_pow2(inter)), 8)
+        return TokenMajorConfig(16, 1024, 8, 8, min(512, next_pow2(inter)), 8)  # H >= 4096: BLOCK_K 1024 fits
     block_n2 = 4 if num_tokens == 1 and top_k > 4 else 8
     return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
                             stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3)
