@@ -60,6 +60,31 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr):
 
 
 @jit
+def wait_for_previous_kernel_only(USE_GDC: tl.constexpr):
+    """The wait of :func:`wait_for_previous_kernel` alone, for a kernel that let its dependents launch at its start
+    (:func:`launch_dependents`) and waits later, before its first read of the previous kernel's writes."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+@jit
+def launch_dependents(USE_GDC: tl.constexpr):
+    """Let the next kernel's programs be scheduled now (programmatic dependent launch, ``USE_GDC``) without waiting
+    on the previous kernel first."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@jit
+def prefetch_to_l2(ptrs):
+    """Ask the L2 for the 128-byte lines holding ``ptrs`` (any shape) and to keep them (``evict_last``): a
+    ``prefetch.global.L2`` per element, nothing loaded into registers. Compiled CUDA only (inline PTX); every
+    address must lie inside an allocation."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def routing_word_expert(word):
     """The global expert id of FlashInfer's int32 routing word ``(id << 16) | bf16(weight)``: its signed high half
     (an arithmetic shift; ``moelab.packing``)."""

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GEMM2's L2 prefetch and the LoRA shrink beside GEMM1 (token-major path in CUDA graphs), one H200 call a PART:
+#   PART=base: the GPU tests (TESTS), then scripts/host_cost.py --layers 4 at T = 1 and 2 with prefetch2 off and
+#              on in turn (ROUNDS times), then Mixtral T = 1 on its unpipelined tiles and the pipelined ones in turn
+#   PART=lora: one rank-16 adapter, T = 1 and 2: the tiled pipeline in graphs (lora_slots=0) against the token-major
+#              path with the shrink before GEMM1 (beside=0) and beside it (beside=1), in turn (ROUNDS times)
+# Each variant is scripts/token_major_variants.py's. From the repo root:
+#   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
+# Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
+OUT=${OUT:-build/device_prefetch}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
+SHAPES=${SHAPES:-qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b}
+variant() {  # variant NAME=VALUE,... -- host_cost flags
+  local v=$1; shift
+  echo "=== ${v:-HEAD}"
+  timeout -s INT "${EACH_S:-70}" python3 scripts/token_major_variants.py $v -- --rounds 5 --calls 50 --layers 4 "$@" \
+    2>&1 | grep -v "^moelab"
+}
+if [ "${PART:-base}" = base ]; then
+  [ -n "${TESTS-tests/test_token_major.py tests/test_eager_graphs.py}" ] && el "GPU tests" && \
+    WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-100}" ${TESTS-tests/test_token_major.py tests/test_eager_graphs.py}
+  el "prefetch2 off / on"
+  for r in $(seq "${ROUNDS:-2}"); do
+    for p in 0 1; do variant "prefetch2=$p" --tokens "${TOKENS:-1,2}" --shape "$SHAPES"; done
+  done | tee "$OUT/base.txt"
+  el "Mixtral T = 1: unpipelined / pipelined tiles"
+  for r in $(seq "${ROUNDS:-2}"); do
+    for m in "" "mixtral=pipelined"; do variant "$m" --tokens 1 --shape mixtral; done
+  done | tee "$OUT/mixtral.txt"
+else
+  el "one rank-16 adapter: tiled / token-major, shrink before / beside GEMM1"
+  for r in $(seq "${ROUNDS:-2}"); do
+    for v in lora_slots=0 lora_slots=16,beside=0 lora_slots=16,beside=1; do
+      variant "$v" --tokens "${TOKENS:-1,2}" --shape "$SHAPES" --lora 16
+    done
+  done | tee "$OUT/lora.txt"
+fi
+el done

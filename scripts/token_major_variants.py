@@ -1,0 +1,64 @@
+"""``scripts/host_cost.py`` on one variant of the token-major path's choices, for A/Bs on a GPU in one device call.
+
+    python scripts/token_major_variants.py prefetch2=0 -- --layers 4 --tokens 1 --shape qwen3-30b-a3b
+    python scripts/token_major_variants.py lora_slots=16,beside=0 -- --layers 4 --tokens 1 --lora 16
+    python scripts/token_major_variants.py mixtral=pipelined -- --layers 4 --tokens 1 --shape mixtral
+
+Each ``name=value`` of the comma list overrides one choice before host_cost runs (nothing given: HEAD's rule):
+
+- ``prefetch2=0|1``: ``TokenMajorConfig.prefetch2`` on every shape, against ``choose_token_major_config``'s rule;
+- ``beside=0|1``: ``token_major.SHRINK_BESIDE_GEMM1`` (GEMM1's K loop beside the LoRA shrink in graphs);
+- ``slots=N`` and ``lora_slots=N``: ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` and ``..._LORA`` of the triton backend (the
+  most slots a CUDA graph runs on the token-major path, without and with a bank);
+- ``mixtral=pipelined``: large experts of K <= 4 (Mixtral's) take the pipelined tiles of the other shapes
+  (GEMM1 16 x 256, 4 warps, 4 stages; GEMM2 8 x 128, 4 warps, 4 stages at T = 1, else 3) instead of their
+  unpipelined ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moelab.backends import triton_backend  # noqa: E402
+from moelab.kernels import token_major  # noqa: E402
+from moelab.permutation import next_pow2  # noqa: E402
+
+
+def apply(variant: str) -> None:
+    """Set each ``name=value`` of ``variant`` (module docstring)."""
+    chosen = dict(item.split("=", 1) for item in variant.split(",") if item)
+    unknown = set(chosen) - {"prefetch2", "beside", "slots", "lora_slots", "mixtral"}
+    if unknown:
+        raise ValueError(f"variant: unknown names {sorted(unknown)}; see this script's docstring")
+    rule = token_major.choose_token_major_config.__wrapped__
+
+    def choose(num_tokens: int, top_k: int, hidden: int, inter: int) -> token_major.TokenMajorConfig:
+        cfg = rule(num_tokens, top_k, hidden, inter)
+        if chosen.get("mixtral") == "pipelined" and hidden >= 4096 and top_k <= 4:
+            cfg = token_major.TokenMajorConfig(16, 256, 4, 8, min(128, next_pow2(inter)), 4, stages1=4,
+                                               stages2=4 if num_tokens == 1 else 3)
+        if "prefetch2" in chosen:
+            cfg = dataclasses.replace(cfg, prefetch2=chosen["prefetch2"] == "1")
+        return cfg
+
+    token_major.choose_token_major_config = choose
+    if "beside" in chosen:
+        token_major.SHRINK_BESIDE_GEMM1 = chosen["beside"] == "1"
+    if "slots" in chosen:
+        triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = int(chosen["slots"])
+    if "lora_slots" in chosen:
+        triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA = int(chosen["lora_slots"])
+
+
+if __name__ == "__main__":
+    if "--" not in sys.argv:
+        raise SystemExit(__doc__)
+    split = sys.argv.index("--")
+    apply(",".join(sys.argv[1:split]))
+    sys.argv = ["host_cost.py", *sys.argv[split + 1:]]
+    runpy.run_path(str(Path(__file__).resolve().parent / "host_cost.py"), run_name="__main__")
