@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# GEMM2's L2 prefetch and the LoRA shrink beside GEMM1 (token-major path in CUDA graphs), one H200 call a PART:
+# A/Bs of the token-major path in CUDA graphs, one H200 call a PART:
 #   PART=base: the GPU tests (TESTS), then scripts/host_cost.py --layers 4 at T = 1 and 2 with prefetch2 off and
 #              on in turn (ROUNDS times), then Mixtral T = 1 on its unpipelined tiles and the pipelined ones in turn
 #   PART=lora: one rank-16 adapter, T = 1 and 2: the tiled pipeline in graphs (lora_slots=0) against the token-major
 #              path with the shrink before GEMM1 (beside=0) and beside it (beside=1), in turn (ROUNDS times)
+#   PART=rule: the GPU tests of the token-major path, LoRA and graphs, then HEAD's rule with one rank-16 adapter at
+#              T = 1-3 on SHAPES, then Mixtral T = 1 on its unpipelined tiles and the pipelined ones with
+#              programmatic dependent launch on (MOELAB_PDL=1) and off
 # Each variant is scripts/token_major_variants.py's. From the repo root:
 #   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
-# Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt.
+# Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt (rule: tests.log, lora_rule.txt, mixtral_pdl.txt).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts:${PYTHONPATH:-} MPLBACKEND=Agg
 OUT=${OUT:-build/device_prefetch}; mkdir -p "$OUT"
@@ -29,6 +32,18 @@ if [ "${PART:-base}" = base ]; then
   for r in $(seq "${ROUNDS:-2}"); do
     for m in "" "mixtral=pipelined"; do variant "$m" --tokens 1 --shape mixtral; done
   done | tee "$OUT/mixtral.txt"
+elif [ "$PART" = rule ]; then
+  el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-200}" ${TESTS-tests/test_token_major.py \
+    tests/test_eager_graphs.py tests/test_lora.py tests/test_lora_banks.py tests/test_experts.py}
+  el "HEAD's rule, one rank-16 adapter"
+  for r in $(seq "${ROUNDS:-2}"); do variant "" --tokens "${TOKENS:-1,2,3}" --shape "$SHAPES" --lora 16; done \
+    | tee "$OUT/lora_rule.txt"
+  el "Mixtral T = 1: unpipelined / pipelined tiles, PDL on / off"
+  for r in $(seq "${ROUNDS:-2}"); do
+    for pdl in 1 0; do for m in "" "mixtral=pipelined"; do
+      echo "MOELAB_PDL=$pdl"; MOELAB_PDL=$pdl variant "$m" --tokens 1 --shape mixtral
+    done; done
+  done | tee "$OUT/mixtral_pdl.txt"
 else
   el "one rank-16 adapter: tiled / token-major, shrink before / beside GEMM1"
   for r in $(seq "${ROUNDS:-2}"); do

@@ -1,15 +1,15 @@
 """``scripts/host_cost.py`` on one variant of the token-major path's choices, for A/Bs on a GPU in one device call.
 
-    python scripts/token_major_variants.py prefetch2=0 -- --layers 4 --tokens 1 --shape qwen3-30b-a3b
+    python scripts/token_major_variants.py slots=0 -- --layers 4 --tokens 1 --shape qwen3-30b-a3b
     python scripts/token_major_variants.py lora_slots=16,beside=0 -- --layers 4 --tokens 1 --lora 16
     python scripts/token_major_variants.py mixtral=pipelined -- --layers 4 --tokens 1 --shape mixtral
 
 Each ``name=value`` of the comma list overrides one choice before host_cost runs (nothing given: HEAD's rule):
 
-- ``prefetch2=0|1``: ``TokenMajorConfig.prefetch2`` on every shape, against ``choose_token_major_config``'s rule;
 - ``beside=0|1``: ``token_major.SHRINK_BESIDE_GEMM1`` (GEMM1's K loop beside the LoRA shrink in graphs);
 - ``slots=N`` and ``lora_slots=N``: ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` and ``..._LORA`` of the triton backend (the
-  most slots a CUDA graph runs on the token-major path, without and with a bank);
+  most slots a CUDA graph runs on the token-major path, without and with a bank); ``lora_min_slots=N``:
+  ``TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA`` (the fewest, with a bank);
 - ``mixtral=pipelined``: large experts of K <= 4 (Mixtral's) take the pipelined tiles of the other shapes
   (GEMM1 16 x 256, 4 warps, 4 stages; GEMM2 8 x 128, 4 warps, 4 stages at T = 1, else 3) instead of their
   unpipelined ones.
@@ -17,7 +17,6 @@ Each ``name=value`` of the comma list overrides one choice before host_cost runs
 
 from __future__ import annotations
 
-import dataclasses
 import runpy
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from moelab.permutation import next_pow2  # noqa: E402
 def apply(variant: str) -> None:
     """Set each ``name=value`` of ``variant`` (module docstring)."""
     chosen = dict(item.split("=", 1) for item in variant.split(",") if item)
-    unknown = set(chosen) - {"prefetch2", "beside", "slots", "lora_slots", "mixtral"}
+    unknown = set(chosen) - {"beside", "slots", "lora_slots", "lora_min_slots", "mixtral"}
     if unknown:
         raise ValueError(f"variant: unknown names {sorted(unknown)}; see this script's docstring")
     rule = token_major.choose_token_major_config.__wrapped__
@@ -42,8 +41,6 @@ def apply(variant: str) -> None:
         if chosen.get("mixtral") == "pipelined" and hidden >= 4096 and top_k <= 4:
             cfg = token_major.TokenMajorConfig(16, 256, 4, 8, min(128, next_pow2(inter)), 4, stages1=4,
                                                stages2=4 if num_tokens == 1 else 3)
-        if "prefetch2" in chosen:
-            cfg = dataclasses.replace(cfg, prefetch2=chosen["prefetch2"] == "1")
         return cfg
 
     token_major.choose_token_major_config = choose
@@ -53,6 +50,8 @@ def apply(variant: str) -> None:
         triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = int(chosen["slots"])
     if "lora_slots" in chosen:
         triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA = int(chosen["lora_slots"])
+    if "lora_min_slots" in chosen:
+        triton_backend.TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA = int(chosen["lora_min_slots"])
 
 
 if __name__ == "__main__":

@@ -177,7 +177,9 @@ def test_the_rule():
     assert not takes(1, 8, False, False, **qwen3) and not takes(1, 8, True, True, **qwen3)
     assert not takes(0, 8, True, False, **qwen3)
     assert takes(1, 8, True, False, True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH >= 8)
-    assert takes(1, 8, True, False, True, lora=True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA >= 8)
+    assert not takes(1, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 8 slots stay tiled"
+    assert takes(2, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 16 slots take token-major"
+    assert not takes(3, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 24 slots stay tiled"
     assert not takes(1, 8, True, False, lora=True, num_local_experts=16, expert_bytes=1), "8 slots share 16 experts"
     assert not takes(2, 2, True, False, num_local_experts=8, expert_bytes=1), "Mixtral T=2: 4 slots share 8 experts"
     mixtral = dict(num_local_experts=8, expert_bytes=3 * 4096 * 14336 * 2)
@@ -187,7 +189,8 @@ def test_the_rule():
     assert takes(1, 4, True, False, **gpt_oss) and not takes(2, 4, True, False, **gpt_oss)
     assert takes(1, 4, True, False, True, **gpt_oss) and takes(2, 4, True, False, True, **gpt_oss), "graphs: no bytes"
     assert not takes(4, 4, True, False, True, **gpt_oss), "16 slots share 32 experts: the tiled pipeline in graphs"
-    assert not takes(1, 4, True, False, True, lora=True, **gpt_oss), "a bank: the tiled pipeline in graphs"
+    assert not takes(1, 4, True, False, True, lora=True, **gpt_oss), "a bank, 4 slots: the tiled pipeline in graphs"
+    assert takes(1, 2, True, False, True, lora=True, **mixtral), "a bank, one token of big experts: token-major"
     e128 = dict(num_local_experts=128, expert_bytes=3 * 4096 * 1536 * 2)  # 8 slots of 37.7 MB: past the byte limit
     assert takes(1, 8, True, False, **e128), "one token eagerly: no byte limit"
     assert not takes(2, 8, True, False, **e128) and takes(1, 8, True, False, True, **e128)

@@ -160,7 +160,8 @@ TOKEN_MAJOR_EXPERTS_PER_SLOT = 4
 TOKEN_MAJOR_MAX_BYTES = 256 * 2**20
 TOKEN_MAJOR_BIG_EXPERT_BYTES = 64 * 2**20
 TOKEN_MAJOR_MAX_SLOTS_GRAPH = 16
-TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA = 0
+TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA = 9
+TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA = 16
 
 
 def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, capturing: bool = False, *,
@@ -175,8 +176,10 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
     if T == 1 and expert_bytes >= TOKEN_MAJOR_BIG_EXPERT_BYTES:
         return True
     few_shared = num_local_experts is None or TOKEN_MAJOR_EXPERTS_PER_SLOT * slots <= num_local_experts
+    if capturing and lora:
+        return few_shared and TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA <= slots <= TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA
     if capturing:
-        return few_shared and slots <= (TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA if lora else TOKEN_MAJOR_MAX_SLOTS_GRAPH)
+        return few_shared and slots <= TOKEN_MAJOR_MAX_SLOTS_GRAPH
     return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and (T == 1 or slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES)
 
 

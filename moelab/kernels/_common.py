@@ -76,15 +76,6 @@ def launch_dependents(USE_GDC: tl.constexpr):
 
 
 @jit
-def prefetch_to_l2(ptrs):
-    """Ask the L2 for the 128-byte lines holding ``ptrs`` (any shape) and to keep them (``evict_last``): a
-    ``prefetch.global.L2`` per element, nothing loaded into registers. Compiled CUDA only (inline PTX); every
-    address must lie inside an allocation."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
 def routing_word_expert(word):
     """The global expert id of FlashInfer's int32 routing word ``(id << 16) | bf16(weight)``: its signed high half
     (an arithmetic shift; ``moelab.packing``)."""

@@ -60,7 +60,6 @@ from moelab.kernels._common import (
     expert_activation,
     jit,
     launch_dependents,
-    prefetch_to_l2,
     routing_word_expert,
     routing_word_weight,
     to_output,
@@ -79,20 +78,13 @@ __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
 #: the rank vectors (``WAIT_AFTER_K_LOOP``). False: GEMM1 waits at its start, as every other kernel does.
 SHRINK_BESIDE_GEMM1 = True
 
-#: GEMM2 prefetches its weights into the L2 while GEMM1 runs (``TokenMajorConfig.prefetch2``) where the slots' W2,
-#: T * K * H * I bf16 elements, is at most this many bytes (the H200's L2 holds 50 MB).
-PREFETCH2_MAX_BYTES = 40 << 20
-
 
 @dataclass(frozen=True)
 class TokenMajorConfig:
     """Tiles of the two kernels: GEMM1 programs are (slot, BLOCK_N1 columns of I), GEMM2 programs (token, BLOCK_N2
     columns of H); each steps over its reduction in BLOCK_K elements. ``stages1``/``stages2``: the reduction loop's
     software pipeline depth (``tl.range(num_stages=...)``: Triton then prefetches the loop's loads, which it does
-    not for loads that feed no ``tl.dot`` unless asked); None leaves the loop as Triton builds it unasked.
-    ``prefetch2``: in a CUDA graph (programmatic dependent launch), GEMM2's programs ask the L2 for their weight
-    lines before they wait on GEMM1, so those bytes stream while GEMM1 still runs (for experts whose touched W2
-    fits the L2)."""
+    not for loads that feed no ``tl.dot`` unless asked); None leaves the loop as Triton builds it unasked."""
 
     block_n1: int
     block_k1: int
@@ -102,7 +94,6 @@ class TokenMajorConfig:
     warps2: int
     stages1: int | None = None
     stages2: int | None = None
-    prefetch2: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -127,9 +118,8 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     if hidden >= 4096 and top_k <= 4:
         return TokenMajorConfig(16, 1024, 8, 8, min(512, next_pow2(inter)), 8)  # H >= 4096: BLOCK_K 1024 fits
     block_n2 = 4 if num_tokens == 1 and top_k > 4 else 8
-    prefetch2 = num_tokens * top_k * hidden * inter * 2 <= PREFETCH2_MAX_BYTES  # the slots' W2 in bf16
     return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
-                            stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3, prefetch2=prefetch2)
+                            stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3)
 
 
 @jit
@@ -277,17 +267,13 @@ def _token_major_gemm2_kernel(
     PACKED: tl.constexpr, WEIGHTED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
     s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
-    LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None, PREFETCH: tl.constexpr = False,
-    LINE: tl.constexpr = 64, LINES_PAD: tl.constexpr = 16,
+    LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
     weights having gone into the inputs; ``ROUND_WEIGHTS``: weighted by bf16(w), as a packing rounds it).
-    ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded.
-    ``PREFETCH`` (with ``USE_GDC``): before waiting on GEMM1, ask the L2 for this program's W2 lines (``LINE``
-    elements each, ``LINES_PAD`` >= I / LINE a row); the routing it reads for that was written before GEMM1 began."""
-    if not PREFETCH:
-        wait_for_previous_kernel(USE_GDC)
+    ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded."""
+    wait_for_previous_kernel(USE_GDC)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -298,13 +284,6 @@ def _token_major_gemm2_kernel(
     expert, local = _local_expert(tl.load(routing_ptr + slots, mask=k_ok, other=-1), local_expert_offset,
                                   num_local_experts, PACKED)
     local = local & k_ok
-    if PREFETCH:  # padded and non-local slots fetch a local slot's lines again, every address inside w2
-        pf_expert = tl.where(local, expert, tl.max(tl.where(local, expert, 0), axis=0))
-        pf_cols = tl.minimum(cols, H - 1).to(tl.int64)
-        pf_k = tl.minimum(tl.arange(0, LINES_PAD) * LINE, I - 1)
-        prefetch_to_l2(w2_ptr + pf_expert[:, None, None] * stride_w_e + pf_cols[None, :, None] * stride_w_n
-                       + pf_k[None, None, :])
-        wait_for_previous_kernel(USE_GDC)
     a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * I + ks[None, :]  # [K_PAD, BLOCK_K]
     w_ptrs = (w2_ptr + expert[:, None, None] * stride_w_e + cols.to(tl.int64)[None, :, None] * stride_w_n
               + ks[None, None, :])  # [K_PAD, BLOCK_N, BLOCK_K]
@@ -402,6 +381,5 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         act_ptr=act, w2_ptr=w2, out_ptr=output, bias_ptr=w2_bias, H=H, I=I, stride_w_e=w2.stride(0),
         stride_w_n=w2.stride(1), stride_out_t=output.stride(0), WEIGHTED=not weight_on_input, K_PAD=next_pow2(K),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, STAGES=cfg.stages2,
-        ROUND_WEIGHTS=round_weights, PREFETCH=gdc and cfg.prefetch2, LINE=128 // w2.element_size(),
-        LINES_PAD=next_pow2(cdiv(I, 128 // w2.element_size())), **common, **lora2)
+        ROUND_WEIGHTS=round_weights, **common, **lora2)
     return output
