@@ -7,6 +7,8 @@
 #   PART=rule: the GPU tests of the token-major path, LoRA and graphs, then HEAD's rule with one rank-16 adapter at
 #              T = 1-3 on SHAPES, then Mixtral T = 1 on its unpipelined tiles and the pipelined ones with
 #              programmatic dependent launch on (MOELAB_PDL=1) and off
+#   PART=pdl:  tests/test_token_major.py, then T = 1 on HEAD's rule, with programmatic dependent launch on and off
+#              on every shape, and with Mixtral's unpipelined tiles (pdl.txt)
 # Each variant is scripts/token_major_variants.py's. From the repo root:
 #   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
 # Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt (rule: tests.log, lora_rule.txt, mixtral_pdl.txt).
@@ -44,6 +46,12 @@ elif [ "$PART" = rule ]; then
       echo "MOELAB_PDL=$pdl"; MOELAB_PDL=$pdl variant "$m" --tokens 1 --shape mixtral
     done; done
   done | tee "$OUT/mixtral_pdl.txt"
+elif [ "$PART" = pdl ]; then
+  el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-100}" ${TESTS-tests/test_token_major.py}
+  el "T = 1: HEAD's rule, then programmatic dependent launch on, off; Mixtral's unpipelined tiles"
+  for r in $(seq "${ROUNDS:-2}"); do
+    for v in "" pdl=1 pdl=0 mixtral=unpipelined; do variant "$v" --tokens 1 --shape "${PDL_SHAPES:-mixtral;qwen3-30b-a3b;deepseek-v3}"; done
+  done | tee "$OUT/pdl.txt"
 else
   el "one rank-16 adapter: tiled / token-major, shrink before / beside GEMM1"
   for r in $(seq "${ROUNDS:-2}"); do

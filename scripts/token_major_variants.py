@@ -2,7 +2,8 @@
 
     python scripts/token_major_variants.py slots=0 -- --layers 4 --tokens 1 --shape qwen3-30b-a3b
     python scripts/token_major_variants.py lora_slots=16,beside=0 -- --layers 4 --tokens 1 --lora 16
-    python scripts/token_major_variants.py mixtral=pipelined -- --layers 4 --tokens 1 --shape mixtral
+    python scripts/token_major_variants.py mixtral=unpipelined -- --layers 4 --tokens 1 --shape mixtral
+    python scripts/token_major_variants.py pdl=1 -- --layers 4 --tokens 1 --shape mixtral
 
 Each ``name=value`` of the comma list overrides one choice before host_cost runs (nothing given: HEAD's rule):
 
@@ -10,13 +11,15 @@ Each ``name=value`` of the comma list overrides one choice before host_cost runs
 - ``slots=N`` and ``lora_slots=N``: ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` and ``..._LORA`` of the triton backend (the
   most slots a CUDA graph runs on the token-major path, without and with a bank); ``lora_min_slots=N``:
   ``TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA`` (the fewest, with a bank);
-- ``mixtral=pipelined``: large experts of K <= 4 (Mixtral's) take the pipelined tiles of the other shapes
-  (GEMM1 16 x 256, 4 warps, 4 stages; GEMM2 8 x 128, 4 warps, 4 stages at T = 1, else 3) instead of their
-  unpipelined ones.
+- ``mixtral=unpipelined``: large experts of K <= 4 (Mixtral's) take the unpipelined tiles of 2026-12-02 (GEMM1
+  16 x 1024, 8 warps; GEMM2 8 x 512, 8 warps) instead of the pipelined ones of the other shapes;
+- ``pdl=0|1``: ``TokenMajorConfig.pdl`` on every shape (1: programmatic dependent launch in graphs, as the rule
+  chooses on every shape but Mixtral's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 import sys
 from pathlib import Path
@@ -31,16 +34,17 @@ from moelab.permutation import next_pow2  # noqa: E402
 def apply(variant: str) -> None:
     """Set each ``name=value`` of ``variant`` (module docstring)."""
     chosen = dict(item.split("=", 1) for item in variant.split(",") if item)
-    unknown = set(chosen) - {"beside", "slots", "lora_slots", "lora_min_slots", "mixtral"}
+    unknown = set(chosen) - {"beside", "slots", "lora_slots", "lora_min_slots", "mixtral", "pdl"}
     if unknown:
         raise ValueError(f"variant: unknown names {sorted(unknown)}; see this script's docstring")
     rule = token_major.choose_token_major_config.__wrapped__
 
     def choose(num_tokens: int, top_k: int, hidden: int, inter: int) -> token_major.TokenMajorConfig:
         cfg = rule(num_tokens, top_k, hidden, inter)
-        if chosen.get("mixtral") == "pipelined" and hidden >= 4096 and top_k <= 4:
-            cfg = token_major.TokenMajorConfig(16, 256, 4, 8, min(128, next_pow2(inter)), 4, stages1=4,
-                                               stages2=4 if num_tokens == 1 else 3)
+        if chosen.get("mixtral") == "unpipelined" and hidden >= 4096 and top_k <= 4:
+            cfg = token_major.TokenMajorConfig(16, 1024, 8, 8, min(512, next_pow2(inter)), 8)
+        if "pdl" in chosen:
+            cfg = dataclasses.replace(cfg, pdl=chosen["pdl"] == "1")
         return cfg
 
     token_major.choose_token_major_config = choose

@@ -8,6 +8,7 @@ with none local), shapes off the tiles (masked reduction steps and column blocks
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -72,8 +73,8 @@ def _routed(p, weights, *, E, K, packed, on_input=False, offset=0):
 @pytest.mark.parametrize("rule_hidden", [None, 4096], ids=["rule-at-H", "rule-at-4096"])
 def test_the_gpu_tiles(T, K, rule_hidden, device, monkeypatch):
     """The tiles ``choose_token_major_config`` gives a GPU (pipelined loops, GEMM2's 4- and 8-column tiles; at
-    H >= 4096 with K <= 4 the unpipelined ones), run here on a problem off every tile (the interpreter ignores the
-    pipeline depth): right against the float64 reference, every output element written."""
+    H >= 4096 with K <= 4 launched without programmatic dependent launch), run here on a problem off every tile (the
+    interpreter ignores the pipeline depth): right against the float64 reference, every output element written."""
     from moelab import _runtime
     from moelab.kernels import token_major
     E, H, I = 16, 40, 24
@@ -82,7 +83,7 @@ def test_the_gpu_tiles(T, K, rule_hidden, device, monkeypatch):
         token_major.choose_token_major_config.cache_clear()
         cfg = token_major.choose_token_major_config(T, K, rule_hidden or H, I)
     token_major.choose_token_major_config.cache_clear()
-    assert (cfg.stages1 is None) == (rule_hidden == 4096 and K <= 4), cfg
+    assert cfg.stages1 is not None and cfg.pdl == (rule_hidden is None or K > 4), cfg
     p = _problem(T, K, E, H, I, device=device, seed=70 + T * 10 + K)
     packed = moelab.pack_topk_ids_weights(p["ids"], p["w"])
     out = poison(torch.empty_like(p["x"]))
@@ -241,10 +242,16 @@ def test_the_rule_in_a_call(device, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
-@pytest.mark.parametrize("graph_limit", [0, 1 << 30], ids=["tiled-in-graphs", "token-major-in-graphs"])
-def test_cuda_graph_capture_and_replay(graph_limit, paths, monkeypatch):
+@pytest.mark.parametrize("graph_limit, pdl", [(0, True), (1 << 30, True), (1 << 30, False)],
+                         ids=["tiled-in-graphs", "token-major-in-graphs", "token-major-in-graphs-without-pdl"])
+def test_cuda_graph_capture_and_replay(graph_limit, pdl, paths, monkeypatch):
     """Eager calls take token-major; a captured call takes the path ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` says (both
-    replay right, with fresh inputs copied in: the token-major kernels read the routing on the device)."""
+    replay right, with fresh inputs copied in: the token-major kernels read the routing on the device), its tiles
+    launched with programmatic dependent launch or (``TokenMajorConfig.pdl`` False, Mixtral's) without."""
+    from moelab.kernels import token_major
+    rule = token_major.choose_token_major_config
+    monkeypatch.setattr(token_major, "choose_token_major_config",
+                        lambda *shape: dataclasses.replace(rule(*shape), pdl=pdl))
     monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS_GRAPH", graph_limit)
     T, K, E, H, I, device = 2, 4, 16, 256, 96, torch.device("cuda")
     p = _problem(T, K, E, H, I, dtype=torch.bfloat16, device=device, seed=5)

@@ -144,10 +144,15 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #:   turn in one graph, µs a layer), T = 1, tiled against token-major: Qwen3-30B-A3B 30.0 against 23.2, OLMoE 36.6-36.8
 #:   against 36.3-36.4, E64 K6 38.2 against 36.8-36.9, GPT-OSS-20B 64.4-64.5 against 63.2; ``scripts/token_major_ab.py``
 #:   (one call a graph) at T = 2: Qwen3 55.2 against 51.9, OLMoE 74.3 against 67.5, E64 K6 71.8 against 67.1,
-#:   GPT-OSS 120.0 against 120.4. ``LoRAExperts`` with a bank keeps the tiled pipeline in graphs
-#:   (``TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA``, 0): its token-major graph (three launches) read 31.9 against 34.0 µs on
-#:   Qwen3 but 41.2-41.5 against 41.1-41.2 on OLMoE, 43.5 against 41.6-41.7 on E64 K6 and 68.6-68.8 against 66.8 on
-#:   GPT-OSS (the same runs). Before the pipelined loops the tiled pipeline was as fast or faster at most points.
+#:   GPT-OSS 120.0 against 120.4. ``LoRAExperts`` with a bank takes it in graphs from
+#:   ``TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA`` to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA`` slots (three launches, the W13
+#:   shrink's beside GEMM1's K loop): one rank-16 adapter, four layers in one graph, µs a layer, tiled against
+#:   token-major (``scripts/device_prefetch.sh`` at c464b25 and 8b3771e, two rounds each): at T = 2 (16 slots)
+#:   Qwen3 52.0 against 47.3-47.6, OLMoE 67.6-67.7 against 57.7-57.9, E64 K6 68.6-68.9 against 62.5-62.6; at
+#:   T = 1 the tiled pipeline wins or ties (8 slots: Qwen3 33.9-34.0 against 34.2-34.3, OLMoE 41.0-41.1 against
+#:   42.2-42.4, E64 K6 41.5-41.6 against 44.0; GPT-OSS's 4 slots 66.8 against 69.8-70.0) and GPT-OSS's 8 slots at
+#:   T = 2 tie (112.3 against 111.3-111.4). Not diagnosed why one token loses. Before the pipelined loops the tiled
+#:   pipeline was as fast or faster at most points.
 #:
 #: One H200, 2026-12-02, commit 4d268ac, bf16, µs, token-major against tiled (``scripts/token_major_ab.py``;
 #: BENCHMARKS.md, "The token-major decode path"). Eager: Qwen3-30B-A3B T=1 50-126 against 123-287 (the bench: 45

@@ -84,7 +84,9 @@ class TokenMajorConfig:
     """Tiles of the two kernels: GEMM1 programs are (slot, BLOCK_N1 columns of I), GEMM2 programs (token, BLOCK_N2
     columns of H); each steps over its reduction in BLOCK_K elements. ``stages1``/``stages2``: the reduction loop's
     software pipeline depth (``tl.range(num_stages=...)``: Triton then prefetches the loop's loads, which it does
-    not for loads that feed no ``tl.dot`` unless asked); None leaves the loop as Triton builds it unasked."""
+    not for loads that feed no ``tl.dot`` unless asked); None leaves the loop as Triton builds it unasked.
+    ``pdl``: False launches both kernels without programmatic dependent launch in CUDA graphs too (each then starts
+    once the kernel before it has ended)."""
 
     block_n1: int
     block_k1: int
@@ -94,6 +96,7 @@ class TokenMajorConfig:
     warps2: int
     stages1: int | None = None
     stages2: int | None = None
+    pdl: bool = True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -113,13 +116,15 @@ def choose_token_major_config(num_tokens: int, top_k: int, hidden: int, inter: i
     # At T = 2 (the four shapes of H < 4096) GEMM2's 8 x 128 with 3 stages read 0.64-0.95x and 4 x 128 lost 6-11 %
     # to it; T >= 2 at H >= 4096 not measured. In the bench at 60e4b67 (CUDA graphs, T = 1) these tiles read Qwen3
     # 33.9 µs (tiled pipeline 38.4), DeepSeek-V3 178.9 (unpipelined 188.9) and E128 K8 93.6 (tiled 95.4), but
-    # Mixtral 227.4 against the unpipelined tiles' 195.6 of 4d268ac, while its eager call read 186.1 against 196.7:
-    # not diagnosed, so large experts of K <= 4 (Mixtral's) keep the unpipelined tiles.
-    if hidden >= 4096 and top_k <= 4:
-        return TokenMajorConfig(16, 1024, 8, 8, min(512, next_pow2(inter)), 8)  # H >= 4096: BLOCK_K 1024 fits
+    # Mixtral 227.4 against the unpipelined tiles' 195.6 of 4d268ac, while its eager call read 186.1 against 196.7.
+    # Programmatic dependent launch was what cost it: in a four-layer graph (scripts/host_cost.py --layers 4, T = 1,
+    # µs a layer, 8b3771e) Mixtral's pipelined tiles read 216 with it and 172 without, the unpipelined ones 183-184
+    # either way (not diagnosed further), so large experts of K <= 4 (Mixtral's) launch these tiles without it.
+    # DeepSeek-V3 (H 7168, K 8) read 178.9 on them with it.
+    pdl = not (hidden >= 4096 and top_k <= 4)
     block_n2 = 4 if num_tokens == 1 and top_k > 4 else 8
     return TokenMajorConfig(16, min(256, next_pow2(hidden)), 4, block_n2, min(128, next_pow2(inter)), 4,
-                            stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3)
+                            stages1=3 if hidden < 4096 else 4, stages2=4 if num_tokens == 1 else 3, pdl=pdl)
 
 
 @jit
@@ -346,6 +351,7 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
     if T == 0:
         return output
     cfg = config or choose_token_major_config(T, K, H, I)
+    pdl = pdl if cfg.pdl else None
     packed = expert_weights is None
     weights = routing if packed else expert_weights
     if activation == "swigluoai" and swiglu_alpha is None:
