@@ -9,6 +9,8 @@
 #              programmatic dependent launch on (MOELAB_PDL=1) and off
 #   PART=pdl:  tests/test_token_major.py, then T = 1 on HEAD's rule, with programmatic dependent launch on and off
 #              on every shape, and with Mixtral's unpipelined tiles (pdl.txt)
+#   PART=early: tests/test_token_major.py, then one rank-16 adapter at T = 1 and 2 on SHAPES with GEMM2's B_down
+#              tile loaded after its K loop (early_b=0) and before it (early_b=1), in turn (early.txt)
 # Each variant is scripts/token_major_variants.py's. From the repo root:
 #   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
 # Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt (rule: tests.log, lora_rule.txt, mixtral_pdl.txt).
@@ -52,6 +54,12 @@ elif [ "$PART" = pdl ]; then
   for r in $(seq "${ROUNDS:-2}"); do
     for v in "" pdl=1 pdl=0 mixtral=unpipelined; do variant "$v" --tokens 1 --shape "${PDL_SHAPES:-mixtral;qwen3-30b-a3b;deepseek-v3}"; done
   done | tee "$OUT/pdl.txt"
+elif [ "$PART" = early ]; then
+  el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-100}" ${TESTS-tests/test_token_major.py}
+  el "one rank-16 adapter: B_down after / before GEMM2's K loop"
+  for r in $(seq "${ROUNDS:-2}"); do
+    for v in early_b=0 early_b=1; do variant "$v" --tokens "${TOKENS:-1,2}" --shape "$SHAPES" --lora 16; done
+  done | tee "$OUT/early.txt"
 else
   el "one rank-16 adapter: tiled / token-major, shrink before / beside GEMM1"
   for r in $(seq "${ROUNDS:-2}"); do

@@ -78,6 +78,9 @@ __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
 #: the rank vectors (``WAIT_AFTER_K_LOOP``). False: GEMM1 waits at its start, as every other kernel does.
 SHRINK_BESIDE_GEMM1 = True
 
+#: GEMM2 with a bank loads its B_down tile before its K loop (``EARLY_DOWN_B``) where the ranks fit one tile.
+EARLY_DOWN_B = True
+
 
 @dataclass(frozen=True)
 class TokenMajorConfig:
@@ -250,19 +253,24 @@ def _token_major_gemm1_kernel(
 
 
 @jit
-def _w2_expand(acc, ranks, rank, s2_ptr, slots, local, ratio, down_b_ptr, pair, H, cols, max_rank, w_rows_ok, act_ptr,
-               R_PAD: tl.constexpr):
+def _w2_down_b(ranks, rank, down_b_ptr, pair, H, cols, max_rank, w_rows_ok):
+    """B_down[pair, cols, ranks] [K_PAD, BLOCK_N, len(ranks)] in the bank's dtype, the rank columns ``ranks`` below
+    ``rank`` read (the rest 0)."""
+    b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
+              + ranks[None, None, :])  # B_down [.., H, max_rank]
+    return tl.load(b_ptrs, mask=w_rows_ok & (ranks < rank)[None, None, :], other=0.0)
+
+
+@jit
+def _w2_expand(acc, b, ranks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD: tl.constexpr):
     """``acc`` [K_PAD, BLOCK_N] plus the W2 expand over the rank columns ``ranks`` (those below ``rank`` read):
-    B_down[pair, cols, ranks] times the slots' rank vectors s2 * ``ratio`` (w / bf16(w)) rounded to the input
+    ``b`` (:func:`_w2_down_b`) times the slots' rank vectors s2 * ``ratio`` (w / bf16(w)) rounded to the input
     dtype, as the tiled path rounds them."""
     r_ok = ranks < rank
     s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + ranks[None, :], mask=local[:, None] & r_ok[None, :],
                  other=0.0)
     s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
-    b_ptrs = (down_b_ptr + (pair[:, None, None] * H + cols.to(tl.int64)[None, :, None]) * max_rank
-              + ranks[None, None, :])  # B_down [.., H, max_rank]
-    b = tl.load(b_ptrs, mask=w_rows_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
-    return acc + tl.sum(b * s2[:, None, :], axis=2)
+    return acc + tl.sum(b.to(tl.float32) * s2[:, None, :], axis=2)
 
 
 @jit
@@ -272,12 +280,14 @@ def _token_major_gemm2_kernel(
     PACKED: tl.constexpr, WEIGHTED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
     s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
-    LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None,
+    LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None, EARLY_DOWN_B: tl.constexpr = False,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
     weights having gone into the inputs; ``ROUND_WEIGHTS``: weighted by bf16(w), as a packing rounds it).
-    ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded."""
+    ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded;
+    ``EARLY_DOWN_B`` (ranks in one tile: R_PAD <= BLOCK_K with ``LORA_K_TILES``): its B_down tile is loaded
+    before the K loop, so that load's latency hides behind the loop's."""
     wait_for_previous_kernel(USE_GDC)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,6 +305,10 @@ def _token_major_gemm2_kernel(
     w_rows_ok = local[:, None, None] & col_ok[None, :, None]
     if LORA:
         adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, t, num_loras, max_rank)
+        pair = adapter * num_local_experts + expert  # [K_PAD]
+        if EARLY_DOWN_B:
+            ranks = ks if LORA_K_TILES else tl.arange(0, R_PAD)
+            b = _w2_down_b(ranks, tl.where(adapter >= 0, rank, 0), down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
     for i0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         i_ok = ks + i0 < I
@@ -307,14 +321,15 @@ def _token_major_gemm2_kernel(
     if LORA:
         if adapter >= 0:  # acc += B_down (s2 w / bf16(w)): the LoRA term weighted by the caller's w in the end
             ratio = caller_weight_ratio(weights_ptr, slots, local)[:, None]
-            pair = adapter * num_local_experts + expert  # [K_PAD]
-            if LORA_K_TILES:  # on the K loop's [K_PAD, BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K
+            if EARLY_DOWN_B:
+                acc = _w2_expand(acc, b, ranks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
+            elif LORA_K_TILES:  # on the K loop's [K_PAD, BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K
                 for r0 in tl.static_range(0, R_PAD, BLOCK_K):
-                    acc = _w2_expand(acc, r0 + ks, rank, s2_ptr, slots, local, ratio, down_b_ptr, pair, H, cols,
-                                     max_rank, w_rows_ok, act_ptr, R_PAD)
+                    b = _w2_down_b(r0 + ks, rank, down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
+                    acc = _w2_expand(acc, b, r0 + ks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
             else:  # on tiles of their own, [K_PAD, BLOCK_N, R_PAD]
-                acc = _w2_expand(acc, tl.arange(0, R_PAD), rank, s2_ptr, slots, local, ratio, down_b_ptr, pair, H,
-                                 cols, max_rank, w_rows_ok, act_ptr, R_PAD)
+                b = _w2_down_b(tl.arange(0, R_PAD), rank, down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
+                acc = _w2_expand(acc, b, tl.arange(0, R_PAD), rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
         w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
@@ -376,6 +391,7 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         lora1 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
                      max_rank=bank.max_rank, LORA=True, R_PAD=own_rank_pad(bank))
         lora2 = dict(lora1, down_b_ptr=bank.down_b, LORA_K_TILES=K >= 5)  # K_PAD 8 and more (module docstring)
+        lora2["EARLY_DOWN_B"] = EARLY_DOWN_B and (K < 5 or lora1["R_PAD"] <= cfg.block_k2)
         lora1.update(s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a,
                      WAIT_AFTER_K_LOOP=gdc and s13.numel() > 0 and SHRINK_BESIDE_GEMM1)
     _token_major_gemm1_kernel[(T * K, cdiv(I, cfg.block_n1))](
