@@ -10,7 +10,8 @@
 #   PART=pdl:  tests/test_token_major.py, then T = 1 on HEAD's rule, with programmatic dependent launch on and off
 #              on every shape, and with Mixtral's unpipelined tiles (pdl.txt)
 #   PART=early: tests/test_token_major.py, then one rank-16 adapter at T = 1 and 2 on SHAPES with GEMM2's B_down
-#              tile loaded after its K loop (early_b=0) and before it (early_b=1), in turn (early.txt)
+#              tile loaded after its K loop (early_b=0) and before it (early_b=1), in turn (early.txt; the toggle
+#              lived at c84b30f only: check that commit out to run it)
 # Each variant is scripts/token_major_variants.py's. From the repo root:
 #   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
 # Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt (rule: tests.log, lora_rule.txt, mixtral_pdl.txt).

@@ -14,8 +14,7 @@ Each ``name=value`` of the comma list overrides one choice before host_cost runs
 - ``mixtral=unpipelined``: large experts of K <= 4 (Mixtral's) take the unpipelined tiles of 2026-12-02 (GEMM1
   16 x 1024, 8 warps; GEMM2 8 x 512, 8 warps) instead of the pipelined ones of the other shapes;
 - ``pdl=0|1``: ``TokenMajorConfig.pdl`` on every shape (1: programmatic dependent launch in graphs, as the rule
-  chooses on every shape but Mixtral's);
-- ``early_b=0|1``: ``token_major.EARLY_DOWN_B`` (GEMM2 with a bank loads its B_down tile before its K loop).
+  chooses on every shape but Mixtral's).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from moelab.permutation import next_pow2  # noqa: E402
 def apply(variant: str) -> None:
     """Set each ``name=value`` of ``variant`` (module docstring)."""
     chosen = dict(item.split("=", 1) for item in variant.split(",") if item)
-    unknown = set(chosen) - {"beside", "slots", "lora_slots", "lora_min_slots", "mixtral", "pdl", "early_b"}
+    unknown = set(chosen) - {"beside", "slots", "lora_slots", "lora_min_slots", "mixtral", "pdl"}
     if unknown:
         raise ValueError(f"variant: unknown names {sorted(unknown)}; see this script's docstring")
     rule = token_major.choose_token_major_config.__wrapped__
@@ -51,8 +50,6 @@ def apply(variant: str) -> None:
     token_major.choose_token_major_config = choose
     if "beside" in chosen:
         token_major.SHRINK_BESIDE_GEMM1 = chosen["beside"] == "1"
-    if "early_b" in chosen:
-        token_major.EARLY_DOWN_B = chosen["early_b"] == "1"
     if "slots" in chosen:
         triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = int(chosen["slots"])
     if "lora_slots" in chosen:
