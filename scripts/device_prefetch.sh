@@ -12,6 +12,10 @@
 #   PART=early: tests/test_token_major.py, then one rank-16 adapter at T = 1 and 2 on SHAPES with GEMM2's B_down
 #              tile loaded after its K loop (early_b=0) and before it (early_b=1), in turn (early.txt; the toggle
 #              lived at c84b30f only: check that commit out to run it)
+#   PART=fused: the GPU tests of the token-major path, LoRA and graphs, then at T = 1 and 2 on SHAPES: the base call,
+#              then one rank-16 adapter on HEAD's rule, and on the token-major path from one slot on
+#              (lora_min_slots=1) with the W13 shrink in GEMM1's grid (fused_shrink=1) and as a launch of its own
+#              (fused_shrink=0), in turn (fused.txt)
 # Each variant is scripts/token_major_variants.py's. From the repo root:
 #   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
 # Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt (rule: tests.log, lora_rule.txt, mixtral_pdl.txt).
@@ -55,6 +59,16 @@ elif [ "$PART" = pdl ]; then
   for r in $(seq "${ROUNDS:-2}"); do
     for v in "" pdl=1 pdl=0 mixtral=unpipelined; do variant "$v" --tokens 1 --shape "${PDL_SHAPES:-mixtral;qwen3-30b-a3b;deepseek-v3}"; done
   done | tee "$OUT/pdl.txt"
+elif [ "$PART" = fused ]; then
+  el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-200}" ${TESTS-tests/test_token_major.py \
+    tests/test_eager_graphs.py tests/test_lora.py tests/test_experts.py}
+  el "base, then one rank-16 adapter: HEAD / token-major with the shrink fused / launched"
+  { variant "" --tokens "${TOKENS:-1,2}" --shape "$SHAPES"
+    for r in $(seq "${ROUNDS:-2}"); do
+      for v in "" lora_min_slots=1,fused_shrink=1 lora_min_slots=1,fused_shrink=0; do
+        variant "$v" --tokens "${TOKENS:-1,2}" --shape "$SHAPES" --lora 16
+      done
+    done; } | tee "$OUT/fused.txt"
 elif [ "$PART" = early ]; then
   el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-100}" ${TESTS-tests/test_token_major.py}
   el "one rank-16 adapter: B_down after / before GEMM2's K loop"

@@ -233,7 +233,7 @@ def test_fused_decode_w13_shrink_over_several_programs_and_k_steps(max_rank, off
     Scratch buffers are NaN-poisoned (debug mode), so a value no kernel wrote cannot pass."""
     from moelab import _runtime
     from moelab.kernels import fused_lora
-    monkeypatch.setattr(fused_lora, "_decode_w13_shrink_shape", lambda H, r_pad: (16, 2))
+    monkeypatch.setattr(fused_lora, "slot_shrink_shape", lambda H, r_pad: (16, 2))
     monkeypatch.setattr(_runtime, "DEBUG_DEAD_ROWS", True)
     T, K, E, H, I, dtype = 6, 3, 8, 40, 24, torch.float32
     x, ids, w, w13, w2, lora_ids, adapters = make_problem(T, K, E, H, I, dtype, device, L=2, ranks=(max_rank, 5),

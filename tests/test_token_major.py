@@ -19,6 +19,7 @@ import moelab
 from moelab import reference
 from moelab.backends import eager_graphs, triton_backend
 from moelab.contract import ACTIVATIONS
+from moelab.kernels import token_major
 from moelab.roofline import graphed
 
 pytestmark = [
@@ -76,7 +77,6 @@ def test_the_gpu_tiles(T, K, rule_hidden, device, monkeypatch):
     H >= 4096 with K <= 4 launched without programmatic dependent launch), run here on a problem off every tile (the
     interpreter ignores the pipeline depth): right against the float64 reference, every output element written."""
     from moelab import _runtime
-    from moelab.kernels import token_major
     E, H, I = 16, 40, 24
     with monkeypatch.context() as m:
         m.setattr(_runtime, "INTERPRET", False)  # the GPU's choice, whatever runs it
@@ -248,7 +248,6 @@ def test_cuda_graph_capture_and_replay(graph_limit, pdl, paths, monkeypatch):
     """Eager calls take token-major; a captured call takes the path ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` says (both
     replay right, with fresh inputs copied in: the token-major kernels read the routing on the device), its tiles
     launched with programmatic dependent launch or (``TokenMajorConfig.pdl`` False, Mixtral's) without."""
-    from moelab.kernels import token_major
     rule = token_major.choose_token_major_config
     monkeypatch.setattr(token_major, "choose_token_major_config",
                         lambda *shape: dataclasses.replace(rule(*shape), pdl=pdl))
@@ -341,6 +340,23 @@ def test_lora_against_reference(T, K, lora_ids, ranks, max_rank, dtype, device, 
     none = (lora_ids < 0).to(out.device)
     assert torch.equal(out[none], base[none]), "a token without an adapter must be the base call's row bit for bit"
     assert not torch.equal(out[~none], base[~none])
+
+
+def test_lora_shrink_flags_return_to_zero(device, monkeypatch):
+    """GEMM1's own W13 shrink programs count themselves done on each slot's flag and GEMM2 sets the flags back to
+    0, so the next call on the stream waits on fresh counts; two calls in turn, both right against the reference,
+    and the flags all zero after each."""
+    monkeypatch.setattr(token_major, "FUSED_W13_SHRINK", True)
+    T, K, E, H, I = 3, 4, 8, 32, 40
+    for seed in (1, 2):
+        x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, torch.float32, device, ranks=(8, 4),
+                                                           max_rank=8, lora_ids=torch.tensor([1, -1, 0]), seed=seed)
+        out = token_major.token_major_moe(ids.contiguous(), w.contiguous(), x, w13, w2, torch.empty_like(x),
+                                          round_weights=True, bank=bank, lora_ids=lora_ids.contiguous())
+        ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+        assert_close_to_reference(out, ref["output"], torch.float32, f"fused shrink, call {seed}")
+        flags = token_major._slot_flags(x.device, T * K)
+        assert torch.count_nonzero(flags) == 0, f"slot flags left set after call {seed}: {flags[:T * K].tolist()}"
 
 
 @pytest.mark.parametrize("window", [True, False], ids=["window", "all-local"])

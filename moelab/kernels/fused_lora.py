@@ -496,7 +496,7 @@ def _sorted_rows_kernel(order_ptr, slot_to_row_in_ptr, row_to_slot_in_ptr, slot_
 
 # ---------------------------------------------------------------------------------------------- launchers
 
-def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A fused-LoRA scratch buffer, NaN-poisoned in debug mode (``moelab.set_debug``) so that a read of a value no
     kernel wrote shows up in the output."""
     buf = torch.empty(shape, dtype=dtype, device=device)
@@ -585,8 +585,8 @@ def shrink_w13_tiles(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor, ex
     live_blocks, reach = segments.block_group.numel(), segments.row_to_slot.numel()
     lora = TileLoRA(
         bank, lora_ids, expert_weights, segments, top_k, num_local_experts,
-        s13_by_row=_scratch((reach, 2, columns), x.dtype, x.device),
-        s2_by_row=_scratch((reach, columns), x.dtype, x.device),
+        s13_by_row=scratch((reach, 2, columns), x.dtype, x.device),
+        s2_by_row=scratch((reach, columns), x.dtype, x.device),
         tile_flags=torch.empty(live_blocks, dtype=torch.int32, device=x.device),
         shrink_meta=dict(**dot_flags(x.dtype), L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=block_m,
                          BLOCK_K=_shrink_block_k(block_m, columns, x.element_size()),
@@ -614,7 +614,7 @@ def _shrink_rows(lora: TileLoRA) -> dict:
                 weights_ptr=lora.expert_weights, top_k=lora.top_k, **_bank_sizes(lora.bank, lora.num_local_experts))
 
 
-def _decode_w13_shrink_shape(H: int, r_pad: int) -> tuple[int, int]:
+def slot_shrink_shape(H: int, r_pad: int) -> tuple[int, int]:
     """(BLOCK_K, COLS) of the decode launch's W13 shrink: x and a program's A rows in one K step up to H = 2048 (on
     the H200 that launch took 7.9 µs with 4 steps of 512, 3.7 with one: each dependent step waits on memory), at
     most 4096 elements of A a program, so a slot's 2*R_PAD rank columns spread over 2*R_PAD / COLS programs."""
@@ -634,9 +634,9 @@ def decode_segments_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
     H = x.shape[1]
     l_pad, r_pad = bank.stacked_pads
     lora = DecodeLoRA(bank, lora_ids, expert_weights, plan.segments, K, num_local_experts,
-                      s13_by_slot=_scratch((T * K, 2, l_pad * r_pad), x.dtype, x.device),
-                      s2_by_slot=_scratch((T * K, l_pad * r_pad), torch.float32, x.device))
-    block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+                      s13_by_slot=scratch((T * K, 2, l_pad * r_pad), x.dtype, x.device),
+                      s2_by_slot=scratch((T * K, l_pad * r_pad), torch.float32, x.device))
+    block_k, cols = slot_shrink_shape(H, r_pad)
     _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
         **plan.args, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=lora.s13_by_slot,
         s2_ptr=lora.s2_by_slot, lora_ids_ptr=lora_ids, H=H, top_k=K, num_loras=bank.max_loras,
@@ -699,9 +699,9 @@ def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
     H = x.shape[1]
     r_pad = own_rank_pad(bank)
     lora = AdapterLoopLoRA(bank, lora_ids, expert_weights, plan.segments, K, num_local_experts, True,
-                           bank.rank_table(), s13=_scratch((T * K, 2, r_pad), x.dtype, x.device),
-                           s2=_scratch((T * K, r_pad), torch.float32, x.device))
-    block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+                           bank.rank_table(), s13=scratch((T * K, 2, r_pad), x.dtype, x.device),
+                           s2=scratch((T * K, r_pad), torch.float32, x.device))
+    block_k, cols = slot_shrink_shape(H, r_pad)
     _decode_segments_w13_shrink_kernel[(1 + T * K * (2 * r_pad // cols),)](
         **plan.args, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=lora.s13, s2_ptr=lora.s2,
         lora_ids_ptr=lora_ids, H=H, top_k=K, num_loras=bank.max_loras, max_rank=bank.max_rank,
@@ -719,9 +719,9 @@ def slot_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: LoRABank, lor
     T, K = topk_ids.shape
     H = x.shape[1]
     r_pad = own_rank_pad(bank)
-    s13 = _scratch((T * K, 2, r_pad), x.dtype, x.device)
-    s2 = _scratch((T * K, r_pad), torch.float32, x.device)
-    block_k, cols = _decode_w13_shrink_shape(H, r_pad)
+    s13 = scratch((T * K, 2, r_pad), x.dtype, x.device)
+    s2 = scratch((T * K, r_pad), torch.float32, x.device)
+    block_k, cols = slot_shrink_shape(H, r_pad)
     _slot_w13_shrink_kernel[(T * K * (2 * r_pad // cols),)](
         ids_ptr=topk_ids, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=s13, s2_ptr=s2,
         lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), offset=local_expert_offset, num_groups=num_local_experts,
@@ -768,7 +768,7 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
     lora = AdapterLoopLoRA(
         bank, lora_ids, expert_weights, segments, top_k, num_local_experts, False, bank.rank_table(),
-        s13=_scratch((reach, 2, r_pad), x.dtype, x.device), s2=_scratch((reach, r_pad), x.dtype, x.device),
+        s13=scratch((reach, 2, r_pad), x.dtype, x.device), s2=scratch((reach, r_pad), x.dtype, x.device),
         sub_m=sub_m, shrink_meta=dict(**dot_flags(x.dtype), R_PAD=r_pad, SUB_M=sub_m, TILE=tile,
                                       BLOCK_K=_shrink_block_k(sub_m, r_pad, x.element_size()),
                                       num_warps=8 if sub_m * r_pad > 64 * 64 else 4, **pdl))

@@ -69,7 +69,7 @@ from moelab.kernels._common import (
     wait_for_previous_kernel,
     wait_for_previous_kernel_only,
 )
-from moelab.kernels.fused_lora import caller_weight_ratio, own_rank_pad
+from moelab.kernels.fused_lora import caller_weight_ratio, own_rank_pad, slot_shrink_shape, slot_w13_shrink_step
 from moelab.permutation import cdiv, next_pow2
 
 if TYPE_CHECKING:
@@ -80,6 +80,12 @@ __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
 #: With a bank in a CUDA graph, GEMM1 runs its K loop beside the shrink launch before it and waits on it only for
 #: the rank vectors (``WAIT_AFTER_K_LOOP``). False: GEMM1 waits at its start, as every other kernel does.
 SHRINK_BESIDE_GEMM1 = True
+
+#: With a bank, GEMM1's grid runs the W13 shrink itself: its first ``SHRINK_PROGRAMS`` columns of programs (the
+#: lowest block ids, so the GPU dispatches them first) write each slot's rank vectors and count themselves done on
+#: the slot's flag; the column-block programs wait on that flag only before their LoRA epilogue. One launch fewer
+#: in the chain. False: the shrink is a launch of its own before GEMM1 (``fused_lora.slot_w13_shrink``).
+FUSED_W13_SHRINK = True
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,9 @@ def _token_major_gemm1_kernel(
     SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None, s13_ptr=None, up_b_ptr=None, gate_b_ptr=None,
     down_a_ptr=None, s2_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
-    STAGES: tl.constexpr = None, WAIT_AFTER_K_LOOP: tl.constexpr = False,
+    STAGES: tl.constexpr = None, WAIT_AFTER_K_LOOP: tl.constexpr = False, flags_ptr=None, up_a_ptr=None,
+    gate_a_ptr=None, SHRINK_PROGRAMS: tl.constexpr = 0, SHRINK_COLS: tl.constexpr = 2,
+    SHRINK_BLOCK_K: tl.constexpr = 16,
 ):
     """act [T*K, I] row ``slot`` = the activation of GEMM1 (+ bias) of the slot's token and expert, columns
     ``program_id(1) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never reads them).
@@ -184,20 +192,35 @@ def _token_major_gemm1_kernel(
     share of its W2 shrink to ``s2`` (module docstring, "LoRA").
     ``WAIT_AFTER_K_LOOP`` (the previous kernel is the shrink, launched with ``USE_GDC``): wait on it only before
     reading its rank vectors, so the K loop runs beside it. Safe: this grid starts only once every shrink program
-    has waited on the kernel before it, which wrote x and the routing."""
+    has waited on the kernel before it, which wrote x and the routing.
+    ``SHRINK_PROGRAMS`` > 0 (``LORA``, :data:`FUSED_W13_SHRINK`): programs ``program_id(1) < SHRINK_PROGRAMS`` are
+    the slot's W13 shrink (``fused_lora.slot_w13_shrink_step``, SHRINK_COLS rank columns each), which write s13
+    and zero s2, then add 1 to ``flags_ptr[slot]``; the column-block programs wait for the count before their
+    LoRA epilogue. GEMM2 sets the flags back to 0."""
     if WAIT_AFTER_K_LOOP:
         launch_dependents(USE_GDC)
     else:
         wait_for_previous_kernel(USE_GDC)
     slot = tl.program_id(0)
+    col_block = tl.program_id(1) - SHRINK_PROGRAMS
     expert, local = _local_expert(tl.load(routing_ptr + slot), local_expert_offset, num_local_experts, PACKED)
-    if local:
+    if LORA:
+        adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank)
+    if SHRINK_PROGRAMS > 0:
+        if col_block < 0:
+            slot_w13_shrink_step(slot * SHRINK_PROGRAMS + tl.program_id(1), routing_ptr, local_expert_offset,
+                                 num_local_experts, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, H,
+                                 top_k, num_loras, max_rank, stride_x_t, 1, R_PAD, SHRINK_COLS, SHRINK_BLOCK_K,
+                                 ranks_ptr, True)
+            if local & (adapter >= 0):  # every thread's stores, then one release of them (CUTLASS's semaphore)
+                tl.debug_barrier()
+                tl.atomic_add(flags_ptr + slot, 1, sem="release", scope="gpu")
+    if local & (col_block >= 0):
         if LORA:  # read before the K loop, which hides the latency
-            adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank)
             pair = tl.maximum(adapter, 0) * num_local_experts + expert  # (adapter, expert) of the bank's tensors
             r = tl.arange(0, R_PAD)
             rank_ok = r < rank  # LoRA tiles of their own, [BLOCK_N, R_PAD] (module docstring)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
         x_row = x_ptr + (slot // top_k).to(tl.int64) * stride_x_t + ks
@@ -227,14 +250,18 @@ def _token_major_gemm1_kernel(
         if WAIT_AFTER_K_LOOP:
             wait_for_previous_kernel_only(USE_GDC)
         if LORA:
-            if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink launch
+            if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink
+                if SHRINK_PROGRAMS > 0:  # this grid's shrink programs of the slot, all done
+                    done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")
+                    while done < SHRINK_PROGRAMS:
+                        done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")
                 s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + r
                 b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]  # B [.., I, max_rank]
                 b_mask = col_ok[:, None] & rank_ok[None, :]  # rank_ok is all False without an adapter
-                s_up = tl.load(s_row, mask=rank_ok, other=0.0).to(tl.float32)
+                s_up = tl.load(s_row, mask=rank_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
                 acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32) * s_up[None, :], 1)
                 if GATED:
-                    s_gate = tl.load(s_row + R_PAD, mask=rank_ok, other=0.0).to(tl.float32)
+                    s_gate = tl.load(s_row + R_PAD, mask=rank_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
                     acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
                                        * s_gate[None, :], 1)
         act = to_output(expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT),
@@ -281,13 +308,15 @@ def _token_major_gemm2_kernel(
     USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
     s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
     LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None, EARLY_DOWN_B: tl.constexpr = False,
+    flags_ptr=None,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
     weights having gone into the inputs; ``ROUND_WEIGHTS``: weighted by bf16(w), as a packing rounds it).
     ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded;
     ``EARLY_DOWN_B`` (the ranks in one tile: tiles of their own, or R_PAD <= BLOCK_K with ``LORA_K_TILES``): the
-    B_down tile is loaded before the K loop; otherwise the K loop's tiles, one after another, after it."""
+    B_down tile is loaded before the K loop; otherwise the K loop's tiles, one after another, after it.
+    ``flags_ptr`` (GEMM1's fused shrink): programs of column block 0 set the token's slot flags back to 0."""
     wait_for_previous_kernel(USE_GDC)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -299,6 +328,9 @@ def _token_major_gemm2_kernel(
     expert, local = _local_expert(tl.load(routing_ptr + slots, mask=k_ok, other=-1), local_expert_offset,
                                   num_local_experts, PACKED)
     local = local & k_ok
+    if flags_ptr is not None:  # GEMM1 has ended (the wait above): no program reads them any more
+        if tl.program_id(1) == 0:
+            tl.store(flags_ptr + slots, tl.zeros((K_PAD,), dtype=tl.int32), mask=k_ok)
     a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * I + ks[None, :]  # [K_PAD, BLOCK_K]
     w_ptrs = (w2_ptr + expert[:, None, None] * stride_w_e + cols.to(tl.int64)[None, :, None] * stride_w_n
               + ks[None, None, :])  # [K_PAD, BLOCK_N, BLOCK_K]
@@ -335,6 +367,27 @@ def _token_major_gemm2_kernel(
         y = y * w[:, None]
     out = tl.sum(tl.where(row_ok, y, 0.0), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_out_t + cols, to_output(out, out_ptr.dtype.element_ty), mask=col_ok)
+
+
+_SLOT_FLAGS: dict[tuple, torch.Tensor] = {}
+_RETIRED_FLAGS: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured CUDA graph may hold one
+
+
+def _slot_flags(device: torch.device, num_slots: int) -> torch.Tensor:
+    """int32 [>= num_slots] zeros between calls: the fused shrink's done-counts by slot (GEMM1 counts, GEMM2 sets
+    them back to 0), one buffer per device and CUDA stream, so calls in turn on a stream share it and calls on two
+    streams do not. Grown outside CUDA-graph capture; a capture that finds it too small takes a zeroed buffer of
+    its own (a memset in the graph)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    flags = _SLOT_FLAGS.get(key)
+    if flags is None or flags.numel() < num_slots:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(num_slots, dtype=torch.int32, device=device)
+        if flags is not None:
+            _RETIRED_FLAGS.append(flags)
+        flags = _SLOT_FLAGS[key] = torch.zeros(max(num_slots, 1024), dtype=torch.int32, device=device)
+    return flags
 
 
 def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
@@ -379,19 +432,28 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
                              "and weight_on_input=False (its W2 term is weighted as the fused decode mode weights it)")
         if lora_ids is not None and not lora_ids.is_contiguous():
             raise ValueError("lora_ids: expected a contiguous int [T] tensor; pass lora_ids.contiguous()")
+        r_pad = own_rank_pad(bank)
+        shrink = {}  # GEMM1's own shrink programs (FUSED_W13_SHRINK)
         if lora_ids is None:  # no adapter: rank vectors never read
             lora_ids = torch.full((T,), -1, dtype=torch.int32, device=x.device)
             s13, s2 = (torch.empty(0, dtype=d, device=x.device) for d in (x.dtype, torch.float32))
+        elif FUSED_W13_SHRINK:
+            s13 = fused_lora.scratch((T * K, 2, r_pad), x.dtype, x.device)
+            s2 = fused_lora.scratch((T * K, r_pad), torch.float32, x.device)
+            block_k, cols = slot_shrink_shape(H, r_pad)
+            shrink = dict(flags_ptr=_slot_flags(x.device, T * K), up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a,
+                          SHRINK_PROGRAMS=2 * r_pad // cols, SHRINK_COLS=cols, SHRINK_BLOCK_K=block_k)
         else:
             s13, s2 = fused_lora.slot_w13_shrink(routing, x, bank, lora_ids, num_local_experts=E_local,
                                                  local_expert_offset=local_expert_offset, pdl=pdl or {})
         lora1 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
-                     max_rank=bank.max_rank, LORA=True, R_PAD=own_rank_pad(bank))
+                     max_rank=bank.max_rank, LORA=True, R_PAD=r_pad)
         lora2 = dict(lora1, down_b_ptr=bank.down_b, LORA_K_TILES=K >= 5)  # K_PAD 8 and more (module docstring)
-        lora2["EARLY_DOWN_B"] = K < 5 or lora1["R_PAD"] <= cfg.block_k2
+        lora2["EARLY_DOWN_B"] = K < 5 or r_pad <= cfg.block_k2
+        lora2["flags_ptr"] = shrink.get("flags_ptr")
         lora1.update(s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a,
-                     WAIT_AFTER_K_LOOP=gdc and s13.numel() > 0 and SHRINK_BESIDE_GEMM1)
-    _token_major_gemm1_kernel[(T * K, cdiv(I, cfg.block_n1))](
+                     WAIT_AFTER_K_LOOP=gdc and s13.numel() > 0 and SHRINK_BESIDE_GEMM1 and not shrink, **shrink)
+    _token_major_gemm1_kernel[(T * K, lora1.get("SHRINK_PROGRAMS", 0) + cdiv(I, cfg.block_n1))](
         x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
         stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
         GATED=gated, SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit, BLOCK_N=cfg.block_n1,
