@@ -57,7 +57,7 @@ __all__ = ["LoRAExperts"]
 #:                      (batches of up to ``moelab.backends.triton_backend.FUSED_DECODE_MAX_SLOTS`` slots)
 #:     "adapter-loop"   fused, each row's own adapter: the GEMM tiles loop over the adapters present in them
 #:                      (any bank; its decode or tile mode by batch size as above)
-#:     "token-major"    fused, each token's own adapter in the token-major decode kernels, three launches (any
+#:     "token-major"    fused, each token's own adapter in the token-major decode kernels, two launches (any
 #:                      bank; ``moelab/kernels/token_major.py``; taken left to itself where the base MoE of the
 #:                      same call would take it, ``moelab.backends.triton_backend.takes_token_major``)
 #:     "flow"           vLLM's unfused flow, the delta kernel's mode by batch size (what ``fused=False`` runs)

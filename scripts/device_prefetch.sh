@@ -16,6 +16,10 @@
 #              then one rank-16 adapter on HEAD's rule, and on the token-major path from one slot on
 #              (lora_min_slots=1) with the W13 shrink in GEMM1's grid (fused_shrink=1) and as a launch of its own
 #              (fused_shrink=0), in turn (fused.txt)
+#   PART=final: the GPU tests of the token-major path, LoRA and graphs, then HEAD at T = 1 and 2 on SHAPES, the base
+#              call and one rank-16 adapter (ROUNDS times; final.txt), then one rank-16 adapter at T = 1 on
+#              BIG_SHAPES: HEAD against the tree in OLD_TREE (a `git archive` of 69f4d6d carried to the device)
+#              with the shrink as a launch of its own (fused_shrink=0) and in GEMM1's grid (big.txt)
 # Each variant is scripts/token_major_variants.py's. From the repo root:
 #   run(command="MOELAB_COMMIT=<commit> PART=base bash scripts/device_prefetch.sh", timeout_s=590)
 # Files: env.txt, tests.log, base.txt, mixtral.txt, lora.txt (rule: tests.log, lora_rule.txt, mixtral_pdl.txt).
@@ -59,6 +63,24 @@ elif [ "$PART" = pdl ]; then
   for r in $(seq "${ROUNDS:-2}"); do
     for v in "" pdl=1 pdl=0 mixtral=unpipelined; do variant "$v" --tokens 1 --shape "${PDL_SHAPES:-mixtral;qwen3-30b-a3b;deepseek-v3}"; done
   done | tee "$OUT/pdl.txt"
+elif [ "$PART" = final ]; then
+  el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-200}" ${TESTS-tests/test_token_major.py \
+    tests/test_eager_graphs.py tests/test_lora.py tests/test_experts.py tests/test_lora_banks.py}
+  el "HEAD: base, one rank-16 adapter"
+  for r in $(seq "${ROUNDS:-2}"); do
+    variant "" --tokens "${TOKENS:-1,2}" --shape "$SHAPES"
+    variant "" --tokens "${TOKENS:-1,2}" --shape "$SHAPES" --lora 16
+  done | tee "$OUT/final.txt"
+  el "big experts, one rank-16 adapter at T = 1: HEAD / OLD_TREE launched shrink / OLD_TREE fused"
+  for r in $(seq "${ROUNDS:-2}"); do
+    variant "" --tokens 1 --shape "${BIG_SHAPES:-mixtral;deepseek-v3}" --lora 16
+    if [ -n "${OLD_TREE:-}" ]; then for f in 0 1; do
+      echo "=== $OLD_TREE fused_shrink=$f"
+      (cd "$OLD_TREE" && PYTHONPATH=$PWD:$PWD/scripts timeout -s INT "${EACH_S:-70}" python3 \
+        scripts/token_major_variants.py "fused_shrink=$f" -- --rounds 5 --calls 50 --layers 4 --tokens 1 \
+        --shape "${BIG_SHAPES:-mixtral;deepseek-v3}" --lora 16 2>&1 | grep -v "^moelab")
+    done; fi
+  done | tee "$OUT/big.txt"
 elif [ "$PART" = fused ]; then
   el "GPU tests" && WORKERS=${WORKERS:-8} gpu_tests "${TESTS_S:-200}" ${TESTS-tests/test_token_major.py \
     tests/test_eager_graphs.py tests/test_lora.py tests/test_experts.py}

@@ -1,15 +1,14 @@
 """``scripts/host_cost.py`` on one variant of the token-major path's choices, for A/Bs on a GPU in one device call.
 
     python scripts/token_major_variants.py slots=0 -- --layers 4 --tokens 1 --shape qwen3-30b-a3b
-    python scripts/token_major_variants.py lora_slots=16,beside=0 -- --layers 4 --tokens 1 --lora 16
+    python scripts/token_major_variants.py lora_min_slots=1 -- --layers 4 --tokens 1 --lora 16
     python scripts/token_major_variants.py mixtral=unpipelined -- --layers 4 --tokens 1 --shape mixtral
     python scripts/token_major_variants.py pdl=1 -- --layers 4 --tokens 1 --shape mixtral
 
-Each ``name=value`` of the comma list overrides one choice before host_cost runs (nothing given: HEAD's rule):
+Each ``name=value`` of the comma list overrides one choice before host_cost runs (nothing given: HEAD's rule;
+``beside=0|1`` and ``fused_shrink=0|1``, the LoRA shrink as a launch of its own, lived until 69f4d6d, and
+``early_b=0|1`` at c84b30f: check those commits out to run them):
 
-- ``beside=0|1``: ``token_major.SHRINK_BESIDE_GEMM1`` (GEMM1's K loop beside the LoRA shrink in graphs);
-- ``fused_shrink=0|1``: ``token_major.FUSED_W13_SHRINK`` (the W13 shrink as GEMM1's own first programs, or a
-  launch of its own);
 - ``slots=N`` and ``lora_slots=N``: ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` and ``..._LORA`` of the triton backend (the
   most slots a CUDA graph runs on the token-major path, without and with a bank); ``lora_min_slots=N``:
   ``TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA`` (the fewest, with a bank);
@@ -36,7 +35,7 @@ from moelab.permutation import next_pow2  # noqa: E402
 def apply(variant: str) -> None:
     """Set each ``name=value`` of ``variant`` (module docstring)."""
     chosen = dict(item.split("=", 1) for item in variant.split(",") if item)
-    unknown = set(chosen) - {"beside", "slots", "lora_slots", "lora_min_slots", "mixtral", "pdl", "fused_shrink"}
+    unknown = set(chosen) - {"slots", "lora_slots", "lora_min_slots", "mixtral", "pdl"}
     if unknown:
         raise ValueError(f"variant: unknown names {sorted(unknown)}; see this script's docstring")
     rule = token_major.choose_token_major_config.__wrapped__
@@ -50,10 +49,6 @@ def apply(variant: str) -> None:
         return cfg
 
     token_major.choose_token_major_config = choose
-    if "beside" in chosen:
-        token_major.SHRINK_BESIDE_GEMM1 = chosen["beside"] == "1"
-    if "fused_shrink" in chosen:
-        token_major.FUSED_W13_SHRINK = chosen["fused_shrink"] == "1"
     if "slots" in chosen:
         triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH = int(chosen["slots"])
     if "lora_slots" in chosen:

@@ -343,7 +343,7 @@ def test_base_path_under_torch_compile(device):
     ("decode", ["decode_segments_w13_shrink"]),
     ("tiles", ["shrink_w13_tiles"]),
     ("adapter-loop", ["adapter_loop_decode_launch"]),  # the adapter loop, its decode mode at this size
-    ("token-major", ["slot_w13_shrink"]),  # the token-major kernels' own shrink launch
+    ("token-major", ["token_major_moe"]),  # the token-major kernels (their W13 shrink in GEMM1's grid)
     (False, ["per-slot delta", "per-slot delta"]),  # the flow, delta kernel by batch size: per slot here
     ("flow", ["per-slot delta", "per-slot delta"]),
     ("flow-per-slot", ["per-slot delta", "per-slot delta"]),
@@ -352,6 +352,7 @@ def test_base_path_under_torch_compile(device):
 def test_fused_argument_forces_each_lora_path(fused, launches, device, monkeypatch):
     """``fused=`` forces each of ``LORA_PATHS`` (what tests and benchmarks of one path rely on); the result is right
     on every path."""
+    from moelab.backends import triton_backend
     from moelab.kernels import fused_lora
     from moelab.kernels import lora as delta_kernel
     T, K, E, H, I = 3, 2, 4, 32, 16
@@ -359,9 +360,10 @@ def test_fused_argument_forces_each_lora_path(fused, launches, device, monkeypat
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton", fused=fused,
                                  lora=make_bank(adapters, E, 0, H, I, 8, torch.float32, device))
     calls = []
-    for name in ("decode_segments_w13_shrink", "shrink_w13_tiles", "adapter_loop_decode_launch", "slot_w13_shrink"):
-        original = getattr(fused_lora, name)
-        monkeypatch.setattr(fused_lora, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
+    for module, name in [(fused_lora, "decode_segments_w13_shrink"), (fused_lora, "shrink_w13_tiles"),
+                         (fused_lora, "adapter_loop_decode_launch"), (triton_backend, "token_major_moe")]:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original, **k: calls.append(_n) or _f(*a, **k))
     launch = delta_kernel.lora_shrink_expand_triton
     monkeypatch.setattr(delta_kernel, "lora_shrink_expand_triton", lambda x, a, b, out, segments, **k: calls.append(
         "per-slot delta" if segments is None else "grouped delta") or launch(x, a, b, out, segments, **k))

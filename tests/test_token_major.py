@@ -178,7 +178,7 @@ def test_the_rule():
     assert not takes(1, 8, False, False, **qwen3) and not takes(1, 8, True, True, **qwen3)
     assert not takes(0, 8, True, False, **qwen3)
     assert takes(1, 8, True, False, True, **qwen3) == (triton_backend.TOKEN_MAJOR_MAX_SLOTS_GRAPH >= 8)
-    assert not takes(1, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 8 slots stay tiled"
+    assert takes(1, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 8 slots take token-major"
     assert takes(2, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 16 slots take token-major"
     assert not takes(3, 8, True, False, True, lora=True, **qwen3), "a bank in a graph: 24 slots stay tiled"
     assert not takes(1, 8, True, False, lora=True, num_local_experts=16, expert_bytes=1), "8 slots share 16 experts"
@@ -191,6 +191,8 @@ def test_the_rule():
     assert takes(1, 4, True, False, True, **gpt_oss) and takes(2, 4, True, False, True, **gpt_oss), "graphs: no bytes"
     assert not takes(4, 4, True, False, True, **gpt_oss), "16 slots share 32 experts: the tiled pipeline in graphs"
     assert not takes(1, 4, True, False, True, lora=True, **gpt_oss), "a bank, 4 slots: the tiled pipeline in graphs"
+    assert takes(2, 4, True, False, True, lora=True, **gpt_oss), "a bank, 8 slots: token-major in graphs"
+    assert takes(1, 6, True, False, True, lora=True, num_local_experts=64, expert_bytes=1), "E64 K6: 6 slots"
     assert takes(1, 2, True, False, True, lora=True, **mixtral), "a bank, one token of big experts: token-major"
     e128 = dict(num_local_experts=128, expert_bytes=3 * 4096 * 1536 * 2)  # 8 slots of 37.7 MB: past the byte limit
     assert takes(1, 8, True, False, **e128), "one token eagerly: no byte limit"
@@ -294,7 +296,7 @@ def test_under_torch_compile(device, paths):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-# ---------------------------------------------------------------------------------------------- LoRA (three launches)
+# ---------------------------------------------------------------------------------------------- LoRA (two launches)
 
 def _lora_problem(T, K, E, H, I, dtype, device, *, ranks, max_rank, lora_ids, seed, E_local=None, offset=0):
     from test_experts import make_bank, make_problem
@@ -342,11 +344,16 @@ def test_lora_against_reference(T, K, lora_ids, ranks, max_rank, dtype, device, 
     assert not torch.equal(out[~none], base[~none])
 
 
-def test_lora_shrink_flags_return_to_zero(device, monkeypatch):
+@pytest.mark.parametrize("shrink_shape", [None, (16, 2)], ids=["test-size", "16-programs"])
+def test_lora_shrink_flags_return_to_zero(shrink_shape, device, monkeypatch):
     """GEMM1's own W13 shrink programs count themselves done on each slot's flag and GEMM2 sets the flags back to
     0, so the next call on the stream waits on fresh counts; two calls in turn, both right against the reference,
-    and the flags all zero after each."""
-    monkeypatch.setattr(token_major, "FUSED_W13_SHRINK", True)
+    and the flags all zero after each. 16-programs: the shrink spread as at H = 2048 (2 rank columns a program, 16
+    programs a slot, here in K steps of 16 over H = 32), every float buffer poisoned."""
+    if shrink_shape is not None:
+        from moelab.kernels import fused_lora
+        monkeypatch.setattr(fused_lora, "slot_shrink_shape", lambda H, r_pad: shrink_shape)
+    _poison_empty(monkeypatch)
     T, K, E, H, I = 3, 4, 8, 32, 40
     for seed in (1, 2):
         x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, torch.float32, device, ranks=(8, 4),
@@ -450,7 +457,7 @@ def test_lora_module_under_torch_compile(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
 def test_lora_cuda_graph_capture_and_replay():
-    """The forced token-major LoRA path captured in a CUDA graph (PDL between its three launches on Hopper),
+    """The forced token-major LoRA path captured in a CUDA graph (PDL between its two launches on Hopper),
     replayed on fresh inputs and adapter ids copied in, then after ``bank.set`` reloads a slot at a higher rank (the
     rank table is read on the device): right against the reference each time."""
     from test_experts import make_problem

@@ -145,14 +145,15 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #:   against 36.3-36.4, E64 K6 38.2 against 36.8-36.9, GPT-OSS-20B 64.4-64.5 against 63.2; ``scripts/token_major_ab.py``
 #:   (one call a graph) at T = 2: Qwen3 55.2 against 51.9, OLMoE 74.3 against 67.5, E64 K6 71.8 against 67.1,
 #:   GPT-OSS 120.0 against 120.4. ``LoRAExperts`` with a bank takes it in graphs from
-#:   ``TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA`` to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA`` slots (three launches, the W13
-#:   shrink's beside GEMM1's K loop): one rank-16 adapter, four layers in one graph, µs a layer, tiled against
-#:   token-major (``scripts/device_prefetch.sh`` at c464b25 and 8b3771e, two rounds each): at T = 2 (16 slots)
-#:   Qwen3 52.0 against 47.3-47.6, OLMoE 67.6-67.7 against 57.7-57.9, E64 K6 68.6-68.9 against 62.5-62.6; at
-#:   T = 1 the tiled pipeline wins or ties (8 slots: Qwen3 33.9-34.0 against 34.2-34.3, OLMoE 41.0-41.1 against
-#:   42.2-42.4, E64 K6 41.5-41.6 against 44.0; GPT-OSS's 4 slots 66.8 against 69.8-70.0) and GPT-OSS's 8 slots at
-#:   T = 2 tie (112.3 against 111.3-111.4). Not diagnosed why one token loses. Before the pipelined loops the tiled
-#:   pipeline was as fast or faster at most points.
+#:   ``TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA`` to ``TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA`` slots (two launches, the W13
+#:   shrink in GEMM1's grid): one rank-16 adapter, four layers in one graph, µs a layer, tiled against token-major
+#:   (``PART=fused bash scripts/device_prefetch.sh`` at 69f4d6d, two rounds; the base call of the same run in
+#:   brackets): T = 1 Qwen3 (8 slots) 34.0-34.1 against 29.2 (23.0), OLMoE 41.0-41.1 against 37.6-37.7 (36.6), E64 K6
+#:   (6 slots) 41.2-41.3 against 39.6-39.7 (37.1), but GPT-OSS's 4 slots 66.0 against 67.4-67.7 (62.1); at T = 2
+#:   (16 slots; GPT-OSS 8) token-major 43.9-44.0 (42.5), 53.2 (53.1), 58.8-59.0 (57.5), GPT-OSS 108.4-108.6 against
+#:   the tiled 110.0-110.6 (105.8). With the shrink as a launch of its own before GEMM1 (c464b25-c84b30f) one token
+#:   lost to the tiled pipeline (8 slots: Qwen3 34.2-34.3 against 33.9-34.0), so the window began at 9 slots then.
+#:   Before the pipelined loops the tiled pipeline was as fast or faster at most points.
 #:
 #: One H200, 2026-12-02, commit 4d268ac, bf16, µs, token-major against tiled (``scripts/token_major_ab.py``;
 #: BENCHMARKS.md, "The token-major decode path"). Eager: Qwen3-30B-A3B T=1 50-126 against 123-287 (the bench: 45
@@ -165,7 +166,7 @@ TOKEN_MAJOR_EXPERTS_PER_SLOT = 4
 TOKEN_MAJOR_MAX_BYTES = 256 * 2**20
 TOKEN_MAJOR_BIG_EXPERT_BYTES = 64 * 2**20
 TOKEN_MAJOR_MAX_SLOTS_GRAPH = 16
-TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA = 9
+TOKEN_MAJOR_MIN_SLOTS_GRAPH_LORA = 5
 TOKEN_MAJOR_MAX_SLOTS_GRAPH_LORA = 16
 
 
@@ -389,8 +390,8 @@ FLOW_LAUNCHES = 7
 def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
     """As :func:`_eager_cost`, for a ``lora_experts`` call, counted as the module's call with adapters would run
     eagerly whether this batch has any (so a batch without adapters replays or launches as one with them does,
-    and its rows stay bit for bit theirs): vLLM's flow ``FLOW_LAUNCHES``; the token-major path one launch more
-    (the W13 shrink); the fused tiles 4 (their decode mode; more past it)."""
+    and its rows stay bit for bit theirs): vLLM's flow ``FLOW_LAUNCHES``; the token-major path its 2, as the base
+    call's (the W13 shrink runs in GEMM1's grid); the fused tiles 4 (their decode mode; more past it)."""
     expert_bytes, launches = _eager_cost(call)  # 2: the token-major path, as the rule would take it
     bank = call.lora if call.lora is not None else call.bank
     if call.path not in (None, "token-major") or (bank is not None and not call.fused):
@@ -399,7 +400,7 @@ def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
         launches = 2
     if (bank is not None and not call.fused) or (launches == 4 and _wide_past_crossover(call, bank)):
         return expert_bytes, FLOW_LAUNCHES
-    return expert_bytes, launches + (1 if launches == 2 and bank is not None else 0)
+    return expert_bytes, launches
 
 
 def _lora_unfused(call: LoRAExpertsCall) -> bool:

@@ -60,22 +60,6 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr):
 
 
 @jit
-def wait_for_previous_kernel_only(USE_GDC: tl.constexpr):
-    """The wait of :func:`wait_for_previous_kernel` alone, for a kernel that let its dependents launch at its start
-    (:func:`launch_dependents`) and waits later, before its first read of the previous kernel's writes."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-
-
-@jit
-def launch_dependents(USE_GDC: tl.constexpr):
-    """Let the next kernel's programs be scheduled now (programmatic dependent launch, ``USE_GDC``) without waiting
-    on the previous kernel first."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@jit
 def routing_word_expert(word):
     """The global expert id of FlashInfer's int32 routing word ``(id << 16) | bf16(weight)``: its signed high half
     (an arithmetic shift; ``moelab.packing``)."""

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TileLoRA", "DecodeLoRA", "AdapterLoopLoRA", "shrink_w13_tiles", "shrink_w2_tiles",
            "decode_segments_w13_shrink", "adapter_loop_decode_launch", "adapter_loop_shrink_w13",
-           "adapter_loop_shrink_w2", "adapter_sorted_segments", "slot_w13_shrink"]
+           "adapter_loop_shrink_w2", "adapter_sorted_segments", "slot_w13_shrink_step", "slot_shrink_shape", "scratch"]
 
 
 # ---------------------------------------------------------------------------------------------- device functions
@@ -218,19 +218,6 @@ def slot_w13_shrink_step(pid, ids_ptr, offset, num_groups, x_ptr, up_a_ptr, gate
         tl.store(out, to_output(acc, s13_ptr.dtype.element_ty))
         if part == 0:
             tl.store(s2_row + tl.arange(0, R_PAD), tl.zeros((R_PAD,), dtype=tl.float32))
-
-
-@jit
-def _slot_w13_shrink_kernel(
-    ids_ptr, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr, lora_ids_ptr, ranks_ptr, offset, num_groups, H, top_k,
-    num_loras, max_rank, stride_x, R_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
-):
-    """The W13 shrink by slot alone, each slot's own adapter (the token-major path, which builds no segments)."""
-    wait_for_previous_kernel(USE_GDC)
-    slot_w13_shrink_step(tl.program_id(0), ids_ptr, offset, num_groups, x_ptr, up_a_ptr, gate_a_ptr, s13_ptr, s2_ptr,
-                         lora_ids_ptr, H, top_k, num_loras, max_rank, stride_x, 1, R_PAD, COLS, BLOCK_K, ranks_ptr,
-                         True)
 
 
 @jit
@@ -708,26 +695,6 @@ def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
         stride_x=x.stride(0), **plan.meta, L_PAD=1, R_PAD=r_pad, COLS=cols, BLOCK_K=block_k,
         num_warps=plan.num_warps, **pdl, ranks_ptr=lora.ranks, OWN=True)
     return lora
-
-
-def slot_w13_shrink(topk_ids: torch.Tensor, x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor, *,
-                    num_local_experts: int, local_expert_offset: int, pdl: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch: each slot's own W13 rank vectors ``s13`` [T*K, 2, R_PAD] (input dtype, [up | gate]) and its W2
-    rank row ``s2`` [T*K, R_PAD] zeroed (fp32, for the atomics of the W2 shrink), as the adapter loop's decode
-    launch writes them but without segments (the token-major path, ``moelab/kernels/token_major.py``). Rows of
-    slots without an adapter or a local expert are not written. ``topk_ids`` int [T, K] contiguous."""
-    T, K = topk_ids.shape
-    H = x.shape[1]
-    r_pad = own_rank_pad(bank)
-    s13 = scratch((T * K, 2, r_pad), x.dtype, x.device)
-    s2 = scratch((T * K, r_pad), torch.float32, x.device)
-    block_k, cols = slot_shrink_shape(H, r_pad)
-    _slot_w13_shrink_kernel[(T * K * (2 * r_pad // cols),)](
-        ids_ptr=topk_ids, x_ptr=x, up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a, s13_ptr=s13, s2_ptr=s2,
-        lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), offset=local_expert_offset, num_groups=num_local_experts,
-        H=H, top_k=K, num_loras=bank.max_loras, max_rank=bank.max_rank, stride_x=x.stride(0), R_PAD=r_pad,
-        COLS=cols, BLOCK_K=block_k, num_warps=4, **pdl)
-    return s13, s2
 
 
 def sorts_by_adapter(num_slots: int, num_local_experts: int, num_loras: int, sub_m: int) -> bool:

@@ -21,11 +21,13 @@ rows [gate; up] or [E_local, I, H] up only, ``w2 [E_local, H, I]``), activations
 large experts, and only the output asked for; the rule's H200 measurements are beside it).
 
 LoRA (``bank=``, :class:`moelab.LoRAExperts` at the same sizes): each token reads its own adapter's A and B (any
-bank: nothing is stacked), one launch more, three in all:
+bank: nothing is stacked), in the same two launches:
 
-    shrink:  s13[s] = [A_up x[t] | A_gate x[t]] of the slot's adapter and expert (``fused_lora.slot_w13_shrink``)
-    gemm1:   acc += B s13[s] before the activation; s2[s] += A_down[:, cols] act[s, cols] (fp32 atomics)
-    gemm2:   each expert row += B_down bf16(s2[s] w / bf16(w)), then rounded and weighted by bf16(w)
+    gemm1 (first programs of each slot)  s13[s] = [A_up x[t] | A_gate x[t]] of the slot's adapter and expert, s2[s] = 0
+    gemm1 (the column blocks)            acc += B s13[s] before the activation; s2[s] += A_down[:, cols] act[s, cols]
+                                         (fp32 atomics)
+    gemm2                                each expert row += B_down bf16(s2[s] w / bf16(w)), then rounded and weighted
+                                         by bf16(w)
 
 as the tiled pipeline's fused decode mode computes them (``moelab/kernels/fused_lora.py``): rank vectors rounded
 to the input dtype, the LoRA term weighted by the caller's w in the end. A slot without an adapter runs none of it,
@@ -45,7 +47,8 @@ so GEMM1 keeps tiles of its own, and GEMM2 takes the K loop's tiles where K_PAD 
 5; its BLOCK_K is 256 at K = 8), tiles of its own at K <= 4 (BLOCK_K 512). Measured at K = 8 and K = 2 only.
 Where the ranks fit one such tile, GEMM2 loads its B_down tile before its K loop (``EARLY_DOWN_B``), so that load
 hides behind the loop's: one rank-16 adapter at T = 2 in a four-layer CUDA graph, 45.2 against 47.4 µs a layer
-(Qwen3), 56.0 against 57.6 (OLMoE), 60.8 against 62.5 (E64 K6); T = 1 and GPT-OSS unchanged (H200, 2026-12-04).
+(Qwen3), 56.0 against 57.6 (OLMoE), 60.8 against 62.5 (E64 K6); GPT-OSS (8 slots, then the tiled pipeline) and
+T = 1 (then tiled too) unchanged (H200, 2026-12-04, c84b30f).
 """
 
 from __future__ import annotations
@@ -62,14 +65,12 @@ from moelab.kernels import fused_lora
 from moelab.kernels._common import (
     expert_activation,
     jit,
-    launch_dependents,
     routing_word_expert,
     routing_word_weight,
     to_output,
     wait_for_previous_kernel,
-    wait_for_previous_kernel_only,
 )
-from moelab.kernels.fused_lora import caller_weight_ratio, own_rank_pad, slot_shrink_shape, slot_w13_shrink_step
+from moelab.kernels.fused_lora import caller_weight_ratio, own_rank_pad, slot_w13_shrink_step
 from moelab.permutation import cdiv, next_pow2
 
 if TYPE_CHECKING:
@@ -77,15 +78,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenMajorConfig", "choose_token_major_config", "token_major_moe"]
 
-#: With a bank in a CUDA graph, GEMM1 runs its K loop beside the shrink launch before it and waits on it only for
-#: the rank vectors (``WAIT_AFTER_K_LOOP``). False: GEMM1 waits at its start, as every other kernel does.
-SHRINK_BESIDE_GEMM1 = True
-
-#: With a bank, GEMM1's grid runs the W13 shrink itself: its first ``SHRINK_PROGRAMS`` columns of programs (the
-#: lowest block ids, so the GPU dispatches them first) write each slot's rank vectors and count themselves done on
-#: the slot's flag; the column-block programs wait on that flag only before their LoRA epilogue. One launch fewer
-#: in the chain. False: the shrink is a launch of its own before GEMM1 (``fused_lora.slot_w13_shrink``).
-FUSED_W13_SHRINK = True
 
 
 @dataclass(frozen=True)
@@ -182,25 +174,20 @@ def _token_major_gemm1_kernel(
     SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None, s13_ptr=None, up_b_ptr=None, gate_b_ptr=None,
     down_a_ptr=None, s2_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
-    STAGES: tl.constexpr = None, WAIT_AFTER_K_LOOP: tl.constexpr = False, flags_ptr=None, up_a_ptr=None,
-    gate_a_ptr=None, SHRINK_PROGRAMS: tl.constexpr = 0, SHRINK_COLS: tl.constexpr = 2,
-    SHRINK_BLOCK_K: tl.constexpr = 16,
+    STAGES: tl.constexpr = None, flags_ptr=None, up_a_ptr=None, gate_a_ptr=None, SHRINK_PROGRAMS: tl.constexpr = 0,
+    SHRINK_COLS: tl.constexpr = 2, SHRINK_BLOCK_K: tl.constexpr = 16,
 ):
     """act [T*K, I] row ``slot`` = the activation of GEMM1 (+ bias) of the slot's token and expert, columns
-    ``program_id(1) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never reads them).
-    ``LORA``: a slot whose token has an adapter adds its W13 expand before the activation and this column block's
-    share of its W2 shrink to ``s2`` (module docstring, "LoRA").
-    ``WAIT_AFTER_K_LOOP`` (the previous kernel is the shrink, launched with ``USE_GDC``): wait on it only before
-    reading its rank vectors, so the K loop runs beside it. Safe: this grid starts only once every shrink program
-    has waited on the kernel before it, which wrote x and the routing.
-    ``SHRINK_PROGRAMS`` > 0 (``LORA``, :data:`FUSED_W13_SHRINK`): programs ``program_id(1) < SHRINK_PROGRAMS`` are
-    the slot's W13 shrink (``fused_lora.slot_w13_shrink_step``, SHRINK_COLS rank columns each), which write s13
-    and zero s2, then add 1 to ``flags_ptr[slot]``; the column-block programs wait for the count before their
-    LoRA epilogue. GEMM2 sets the flags back to 0."""
-    if WAIT_AFTER_K_LOOP:
-        launch_dependents(USE_GDC)
-    else:
-        wait_for_previous_kernel(USE_GDC)
+    ``(program_id(1) - SHRINK_PROGRAMS) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never
+    reads them). ``LORA``: a slot whose token has an adapter adds its W13 expand before the activation and this
+    column block's share of its W2 shrink to ``s2`` (module docstring, "LoRA"). Its rank vectors come from this
+    grid: programs ``program_id(1) < SHRINK_PROGRAMS`` are the slot's W13 shrink (``fused_lora.
+    slot_w13_shrink_step``, SHRINK_COLS rank columns each), which write s13, zero s2 and then add 1 to
+    ``flags_ptr[slot]``; the column-block programs run their K loop and wait for that count only before their
+    LoRA epilogue. The shrink programs have the lowest block ids, so the GPU dispatches them before any program
+    that waits on them (the order CUTLASS's stream-K fixup and CUB's decoupled look-back rely on too; the
+    interpreter runs them first); GEMM2 sets the flags back to 0."""
+    wait_for_previous_kernel(USE_GDC)
     slot = tl.program_id(0)
     col_block = tl.program_id(1) - SHRINK_PROGRAMS
     expert, local = _local_expert(tl.load(routing_ptr + slot), local_expert_offset, num_local_experts, PACKED)
@@ -247,14 +234,11 @@ def _token_major_gemm1_kernel(
                 acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        if WAIT_AFTER_K_LOOP:
-            wait_for_previous_kernel_only(USE_GDC)
         if LORA:
             if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink
-                if SHRINK_PROGRAMS > 0:  # this grid's shrink programs of the slot, all done
+                done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")  # the slot's shrink programs
+                while done < SHRINK_PROGRAMS:
                     done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")
-                    while done < SHRINK_PROGRAMS:
-                        done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")
                 s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + r
                 b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]  # B [.., I, max_rank]
                 b_mask = col_ok[:, None] & rank_ok[None, :]  # rank_ok is all False without an adapter
@@ -274,9 +258,6 @@ def _token_major_gemm1_kernel(
                               other=0.0).to(tl.float32)  # [BLOCK_N, R_PAD]
                 part = tl.sum(a_t * tl.where(col_ok, act.to(tl.float32), 0.0)[:, None], 0)
                 tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + r, part, mask=rank_ok, sem="relaxed")
-    if WAIT_AFTER_K_LOOP:
-        if local == 0:  # every program waits, so this grid ends after the shrink
-            wait_for_previous_kernel_only(USE_GDC)
 
 
 @jit
@@ -424,7 +405,6 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
     act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
     common = dict(routing_ptr=routing, weights_ptr=weights, top_k=K, num_local_experts=E_local,
                   local_expert_offset=local_expert_offset, PACKED=packed, **(pdl or {}))
-    gdc = bool((pdl or {}).get("USE_GDC"))  # launched with programmatic dependent launch (CUDA graphs)
     lora1 = lora2 = {}
     if bank is not None:
         if packed or weight_on_input or not round_weights:
@@ -433,26 +413,21 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         if lora_ids is not None and not lora_ids.is_contiguous():
             raise ValueError("lora_ids: expected a contiguous int [T] tensor; pass lora_ids.contiguous()")
         r_pad = own_rank_pad(bank)
-        shrink = {}  # GEMM1's own shrink programs (FUSED_W13_SHRINK)
+        shrink = {}  # GEMM1's own shrink programs (none without an adapter)
         if lora_ids is None:  # no adapter: rank vectors never read
             lora_ids = torch.full((T,), -1, dtype=torch.int32, device=x.device)
             s13, s2 = (torch.empty(0, dtype=d, device=x.device) for d in (x.dtype, torch.float32))
-        elif FUSED_W13_SHRINK:
-            s13 = fused_lora.scratch((T * K, 2, r_pad), x.dtype, x.device)
+        else:
+            s13 = fused_lora.scratch((T * K, 2, r_pad), x.dtype, x.device)  # [up | gate]
             s2 = fused_lora.scratch((T * K, r_pad), torch.float32, x.device)
-            block_k, cols = slot_shrink_shape(H, r_pad)
+            block_k, cols = fused_lora.slot_shrink_shape(H, r_pad)
             shrink = dict(flags_ptr=_slot_flags(x.device, T * K), up_a_ptr=bank.up_a, gate_a_ptr=bank.gate_a,
                           SHRINK_PROGRAMS=2 * r_pad // cols, SHRINK_COLS=cols, SHRINK_BLOCK_K=block_k)
-        else:
-            s13, s2 = fused_lora.slot_w13_shrink(routing, x, bank, lora_ids, num_local_experts=E_local,
-                                                 local_expert_offset=local_expert_offset, pdl=pdl or {})
         lora1 = dict(lora_ids_ptr=lora_ids, ranks_ptr=bank.rank_table(), s2_ptr=s2, num_loras=bank.max_loras,
                      max_rank=bank.max_rank, LORA=True, R_PAD=r_pad)
-        lora2 = dict(lora1, down_b_ptr=bank.down_b, LORA_K_TILES=K >= 5)  # K_PAD 8 and more (module docstring)
-        lora2["EARLY_DOWN_B"] = K < 5 or r_pad <= cfg.block_k2
-        lora2["flags_ptr"] = shrink.get("flags_ptr")
-        lora1.update(s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a,
-                     WAIT_AFTER_K_LOOP=gdc and s13.numel() > 0 and SHRINK_BESIDE_GEMM1 and not shrink, **shrink)
+        lora2 = dict(lora1, down_b_ptr=bank.down_b, LORA_K_TILES=K >= 5, flags_ptr=shrink.get("flags_ptr"))
+        lora2["EARLY_DOWN_B"] = K < 5 or r_pad <= cfg.block_k2  # LORA_K_TILES: K_PAD 8 and more (module docstring)
+        lora1.update(s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b, down_a_ptr=bank.down_a, **shrink)
     _token_major_gemm1_kernel[(T * K, lora1.get("SHRINK_PROGRAMS", 0) + cdiv(I, cfg.block_n1))](
         x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
         stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
