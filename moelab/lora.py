@@ -560,8 +560,8 @@ def _run(x, a_banks, b_banks, out, topk_ids, lora_ids, bank, local_expert_offset
     from moelab.kernels.lora import lora_shrink_expand_triton
 
     lora_shrink_expand_triton(x, a_banks, b_banks, out2d, segments, topk_ids=topk_ids, lora_ids=lora_ids,
-                              local_expert_offset=local_expert_offset, slots_per_input_row=slots_per_input_row,
-                              weight=weight)
+                              ranks=bank.rank_table(), local_expert_offset=local_expert_offset,
+                              slots_per_input_row=slots_per_input_row, weight=weight)
     return out
 
 

@@ -217,6 +217,32 @@ def test_unvalidated_id_outside_bank_gives_zero_rows(path, device):
     assert delta[[0, 3]].abs().min() > 0
 
 
+@pytest.mark.parametrize("path", PATHS[:2], indirect=True)
+def test_triton_deltas_read_each_adapter_only_to_its_own_rank(path, device):
+    # A mixed bank streams each slot's own rank, not max_rank: values planted past a slot's rank (rounded up to
+    # 8, the kernel's load width where max_rank is a multiple of 8) must not reach the deltas. The bank is zero
+    # there by construction, so this is the one way to see what the kernel reads.
+    T, K, E, H, I, max_rank = 12, 2, 3, 40, 24, 32
+    ranks = (8, 16, 5)  # read to 8, 16 and 8
+    bank = make_bank(len(ranks), E, H, I, max_rank, ranks, torch.float32, device=device)
+    x, act = torch.randn(T, H, device=device), torch.randn(T * K, I, device=device)
+    topk_ids = random_topk_ids(T, K, E, device=device)
+    lora_ids = torch.arange(T, device=device) % len(ranks)
+    w = random_weights(T, K, device=device)
+    ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank)
+    ref2 = reference.w2_lora_delta(act, topk_ids, w, lora_ids, bank)
+    for slot, r in enumerate(ranks):
+        read = -(-r // 8) * 8
+        for name in ("gate_a", "up_a", "down_a"):
+            getattr(bank, name)[slot, :, read:, :] = 1e3
+        for name in ("gate_b", "up_b", "down_b"):
+            getattr(bank, name)[slot, :, :, read:] = 1e3
+    got13 = w13_lora_delta(x, topk_ids, lora_ids, bank, **path)
+    got2 = w2_lora_delta(act, topk_ids, w, lora_ids, bank, **path)
+    assert_close_to_reference(got13, ref13, torch.float32, "w13_lora_delta")
+    assert_close_to_reference(got2, ref2, torch.float32, "w2_lora_delta")
+
+
 @given(T=st.integers(0, 9), E=st.integers(1, 5), data=st.data(), L=st.integers(1, 3),
        max_rank=st.sampled_from([1, 8, 20]), H=st.integers(1, 40), I=st.integers(1, 40), seed=st.integers(0, 999),
        grouped=st.booleans())

@@ -64,12 +64,13 @@ def _pow2_block(n: int, low: int, high: int) -> int:
 
 
 @jit
-def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
+def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank, own_rank,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out[m, n] = (weight[m]) * sum_r rank_vec[m, r] * B[n, r], for n in [0, D_out), BLOCK_N at a time."""
+    """out[m, n] = (weight[m]) * sum_r rank_vec[m, r] * B[n, r], for n in [0, D_out), BLOCK_N at a time; B's row
+    stride is ``rank``, and its columns from ``own_rank`` on (zeros in the bank) are not read."""
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+    r_mask = offs_r < own_rank
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(0, D_out, BLOCK_N):
         cols = n0 + offs_n
@@ -89,9 +90,9 @@ def _expand_store(rank_vec, b_ptr, out_rows_ptr, row_mask, weight, D_out, rank,
 @jit
 def _lora_shrink_expand_kernel(
     x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, out_ptr, weight_ptr, row_to_slot_ptr, block_group_ptr,
-    topk_ids_ptr, lora_ids_ptr, top_k, local_expert_offset, num_local_experts, max_loras,
+    topk_ids_ptr, lora_ids_ptr, ranks_ptr, top_k, local_expert_offset, num_local_experts, max_loras,
     stride_x_row, slots_per_input_row, D_in, D_out, rank, zero_group,
-    NUM_SLICES: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SLOT: tl.constexpr,
+    NUM_SLICES: tl.constexpr, MUL_WEIGHT: tl.constexpr, PER_SLOT: tl.constexpr, RANK_STEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -101,6 +102,9 @@ def _lora_shrink_expand_kernel(
     out [N, NUM_SLICES * D_out], slice j in columns [j*D_out, (j+1)*D_out); weight [N] (MUL_WEIGHT).
     PER_SLOT: program s takes slot s alone (row 0 of its tile) and finds its group from topk_ids [N] and
     lora_ids [T] itself, so no segments are built (the decode path).
+    ranks_ptr: int32 [L], each slot's own rank (``LoRABank.rank_table``): a program reads A's rows and B's columns
+    up to its adapter's rank, rounded up to RANK_STEP (8 where ``rank`` is a multiple of 8, so the masked loads of B
+    stay 16 bytes wide; else 1), never past ``rank``; the bank is zero there, so the products are the same.
     """
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -130,7 +134,11 @@ def _lora_shrink_expand_kernel(
         bank_a = group.to(tl.int64) * rank * D_in
         offs_k = tl.arange(0, BLOCK_K)
         offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank  # rank is padded to BLOCK_R (a power of two >= 16) with zeros
+        # Only the adapter's own rank is read: a mixed bank's rank-8 slot streams 1/8 of a rank-64 slot's bytes.
+        own_rank = tl.load(ranks_ptr + group // num_local_experts)
+        own_rank = tl.minimum((own_rank + RANK_STEP - 1) // RANK_STEP * RANK_STEP, rank)
+        own_rank = tl.multiple_of(own_rank, RANK_STEP)
+        r_mask = offs_r < own_rank  # padded to BLOCK_R (a power of two >= 16) with zeros
         acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, D_in, BLOCK_K):
@@ -148,20 +156,20 @@ def _lora_shrink_expand_kernel(
         if DOT_F32:
             rank_vec = rank_vec.to(tl.float32)
         bank_b = group.to(tl.int64) * D_out * rank
-        _expand_store(rank_vec, b0_ptr + bank_b, out_rows, row_mask, weight, D_out, rank,
+        _expand_store(rank_vec, b0_ptr + bank_b, out_rows, row_mask, weight, D_out, rank, own_rank,
                       BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, DOT_PRECISION)
         if NUM_SLICES == 2:
             rank_vec = to_output(acc1, x_ptr.dtype.element_ty)
             if DOT_F32:
                 rank_vec = rank_vec.to(tl.float32)
-            _expand_store(rank_vec, b1_ptr + bank_b, out_rows + D_out, row_mask, weight, D_out, rank,
+            _expand_store(rank_vec, b1_ptr + bank_b, out_rows + D_out, row_mask, weight, D_out, rank, own_rank,
                           BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, DOT_PRECISION)
 
 
 def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
                               out: torch.Tensor, segments: Segments | None, *, topk_ids: torch.Tensor,
-                              lora_ids: torch.Tensor, local_expert_offset: int, slots_per_input_row: int,
-                              weight: torch.Tensor | None = None) -> torch.Tensor:
+                              lora_ids: torch.Tensor, ranks: torch.Tensor, local_expert_offset: int,
+                              slots_per_input_row: int, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the fused kernel; arguments are already validated by :mod:`moelab.lora`.
 
     Args:
@@ -171,6 +179,8 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
         out: contiguous [N, len(a_banks) * D_out], every row written.
         segments: from :func:`moelab.lora.lora_segments` (tile = BLOCK_M), or None for one program per slot.
         topk_ids: int [T, K]; lora_ids: int [T]; local_expert_offset: the EP window's first global id.
+        ranks: int32 [L] on the device, each slot's own rank (``LoRABank.rank_table()``); A's rows and B's
+            columns past it are zeros in the bank and not read.
         weight: [N] float, multiplied in fp32 (W2), or None.
     """
     num_slices = len(a_banks)
@@ -192,9 +202,10 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
     a1, b1 = (a_banks[1], b_banks[1]) if num_slices == 2 else (a_banks[0], b_banks[0])
     _lora_shrink_expand_kernel[(grid,)](
         x, a_banks[0], a1, b_banks[0], b1, out, weight if weight is not None else out, row_to_slot, block_group,
-        topk_ids.contiguous(), lora_ids.contiguous(), topk_ids.shape[1], local_expert_offset, num_local_experts,
-        max_loras, x.stride(0), slots_per_input_row, d_in, d_out, rank, max_loras * num_local_experts,
-        NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None, PER_SLOT=per_slot,
+        topk_ids.contiguous(), lora_ids.contiguous(), ranks, topk_ids.shape[1], local_expert_offset,
+        num_local_experts, max_loras, x.stride(0), slots_per_input_row, d_in, d_out, rank,
+        max_loras * num_local_experts,
+        NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None, PER_SLOT=per_slot, RANK_STEP=8 if rank % 8 == 0 else 1,
         BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, block_k), BLOCK_N=_pow2_block(d_out, 16, block_n),
         BLOCK_R=_pow2_block(rank, 16, 1 << 30),
         **dot_flags(x.dtype),

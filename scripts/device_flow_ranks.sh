@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 12, serving banks on vLLM's flow: the delta kernel reading each adapter's own rank (HEAD) against reading
+# the bank's max_rank (OLD: the moelab package of an earlier commit, unpacked into build/ab/old). ~15 min on one H200
+# in all: split it over calls with RUNS (below), each call under the device's 10 minutes.
+#   here:   mkdir -p build/ab/old && git archive <old commit> moelab | tar -x -C build/ab/old
+#   device: run(command="MOELAB_COMMIT=<HEAD> OLD_COMMIT=<old> bash scripts/device_flow_ranks.sh", carry=["build/ab"])
+# 0. GPU tests of the flow's delta kernel and the LoRA paths (tests/test_lora.py, tests/test_experts.py).
+# 1. python -m moelab.bench --lora, the 8- and 32-adapter mixed banks (ranks 64/32/16/8) on Qwen3-30B-A3B and
+#    OLMoE at T = 32-4096 (auto: vLLM's flow at these T, its delta kernel per slot or grouped by size), OLD, HEAD, OLD, HEAD
+#    (two processes of each, alternating, so the host's and the GPU's drift shows as spread between the pairs).
+# 2. HEAD only: the flow's two delta modes forced (flow-grouped, flow-per-slot) on Qwen3 8x mixed, T = 128-1024,
+#    to re-read the crossover (moelab.lora.PER_SLOT_MAX_BYTES) on the rank-aware kernel.
+# Writes $OUT/{env.txt,tests.log,old1.json,new1.json,old2.json,new2.json,cross.json} and the .md beside each.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-build/flow_ranks}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+. "$(dirname "$0")/device_env.sh"  # el, gpu_tests, $OUT/env.txt
+echo "old ${OLD_COMMIT:-unknown}" >> "$OUT/env.txt"
+BENCH=(--quick --lora --check-tokens 4 --peers none --impls moelab --no-ceilings --lora-variants "8x mixed,32x mixed"
+       --graph-max-t 4096)
+# RUNS picks the steps, in order (default: all; ~3 min each bench process, 2 min the tests): tests, old1, new1,
+# old2, new2 (the bench on OLD or HEAD), cross.
+for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
+  el "$step"
+  case $step in
+    tests) PYTHONPATH=$PWD gpu_tests 150 tests/test_lora.py tests/test_experts.py ;;
+    old*|new*)
+      root=$PWD; [[ $step == old* ]] && root=$PWD/build/ab/old
+      # `python3 -m` puts the working directory first on sys.path: run from the tree whose moelab is meant
+      (cd "$root" && PYTHONPATH=$root timeout 230 python3 -m moelab.bench "${BENCH[@]}" \
+        --shape "qwen3-30b-a3b;olmoe" --tokens 32,128,1024,4096 --time-budget 210 --out "$OUT/$step.json" \
+        > "$OUT/$step.log" 2>&1)
+      echo "$step exit $? ($(cd "$root" && python3 -c "import moelab; print(moelab.__file__)" 2>&1 | tail -1))" ;;
+    cross)
+      PYTHONPATH=$PWD timeout 120 python3 -m moelab.bench "${BENCH[@]}" --shape qwen3-30b-a3b \
+        --tokens 128,256,512,1024 --lora-variants "8x mixed" --lora-paths flow-grouped,flow-per-slot \
+        --time-budget 100 --out "$OUT/cross.json" > "$OUT/cross.log" 2>&1
+      echo "cross exit $?" ;;
+  esac
+done
+el done
