@@ -364,11 +364,12 @@ def _block_m(num_slots: int, num_local_experts: int) -> int:
 
 
 def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,
-                        local_expert_offset: int = 0) -> Segments:
+                        local_expert_offset: int = 0, tile: int | None = None) -> Segments:
     """Group the T*K slots by (adapter, local expert), tile-aligned, on the device (no host sync).
 
     Group ``lora_id * E_local + e`` for a local slot whose token has an adapter in ``[0, L)``; every other slot
-    goes to the last group ``L * E_local``, whose tiles the kernel fills with zeros.
+    goes to the last group ``L * E_local``, whose tiles the kernel fills with zeros. ``tile``: rows per tile (16,
+    32, 64 or 128), None for the rule of ``_block_m``.
     """
     L, E_local = bank.max_loras, bank.num_local_experts
     T, K = topk_ids.shape
@@ -377,11 +378,12 @@ def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: Lo
     adapter = lora_ids.long()[:, None]
     live = (expert >= 0) & (expert < E_local) & (adapter >= 0) & (adapter < L)
     group = torch.where(live, adapter * E_local + expert, zero_group)
+    tile = tile or _block_m(T * K, E_local)
     if not _runtime.triton_can_run(group.device):
-        return build_segments(group.flatten(), zero_group + 1, _block_m(T * K, E_local))
+        return build_segments(group.flatten(), zero_group + 1, tile)
     from moelab.kernels.segments import build_segments_triton  # triton is optional (no wheel on macOS)
 
-    return build_segments_triton(group.flatten(), zero_group + 1, _block_m(T * K, E_local))  # 1-3 launches
+    return build_segments_triton(group.flatten(), zero_group + 1, tile)  # 1-3 launches
 
 
 def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,

@@ -19,7 +19,7 @@ echo "old ${OLD_COMMIT:-unknown}" >> "$OUT/env.txt"
 BENCH=(--quick --lora --check-tokens 4 --peers none --impls moelab --no-ceilings --lora-variants "8x mixed,32x mixed"
        --graph-max-t 4096)
 # RUNS picks the steps, in order (default: all; ~3 min each bench process, 2 min the tests): tests, old1, new1,
-# old2, new2 (the bench on OLD or HEAD), cross.
+# old2, new2 (the bench on OLD or HEAD), cross, ncuT (Nsight Compute on one eager call at T: ncu128, ncu1024).
 for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
   el "$step"
   case $step in
@@ -31,6 +31,17 @@ for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
         --shape "qwen3-30b-a3b;olmoe" --tokens 32,128,1024,4096 --time-budget 210 --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1)
       echo "$step exit $? ($(cd "$root" && python3 -c "import moelab; print(moelab.__file__)" 2>&1 | tail -1))" ;;
+    sweep) PYTHONPATH=$PWD timeout 300 python3 scripts/lora_delta_sweep.py --tokens 128,1024,4096 | tee "$OUT/sweep.log" ;;
+    sweep32) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens 1024 \
+      --ranks "$(python3 -c "print(','.join(['64,32,16,8'] * 8))")" --tiles 16 | tee "$OUT/sweep32.log" ;;
+    ncu*)  # each kernel of one eager call of the 8-adapter mixed bank at T = ${step#ncu}, Qwen3, under Nsight Compute
+      PYTHONPATH=$PWD timeout 240 ncu --clock-control none --profile-from-start off --csv --metrics \
+        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,$(
+        )sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,$(
+        )launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers \
+        python3 scripts/lora_decode_ncu.py --shape qwen3-30b-a3b --tokens "${step#ncu}" --lora 64,32,16,8,64,32,16,8 \
+        > "$OUT/$step.csv" 2> "$OUT/$step.err"
+      echo "$step exit $?"; PYTHONPATH=$PWD python3 scripts/lora_decode_ncu.py --report "$OUT/$step.csv" ;;
     cross)
       PYTHONPATH=$PWD timeout 120 python3 -m moelab.bench "${BENCH[@]}" --shape qwen3-30b-a3b \
         --tokens 128,256,512,1024 --lora-variants "8x mixed" --lora-paths flow-grouped,flow-per-slot \

@@ -438,6 +438,7 @@ def test_validate_false_has_no_host_sync_and_captures_in_a_cuda_graph(path):
     bank_gpu = LoRABank(3, E, H, I, 16, device=dev)
     for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"):
         getattr(bank_gpu, name).copy_(getattr(bank, name))
+    bank_gpu.ranks = list(bank.ranks)  # as code that copies a bank's tensors does: the kernels read each own rank
     x, act = torch.randn(T, H, device=dev).bfloat16(), torch.randn(T * K, I, device=dev).bfloat16()
     topk_ids = random_topk_ids(T, K, E, device=dev)
     lora_ids = torch.randint(-1, 3, (T,), device=dev)

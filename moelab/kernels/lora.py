@@ -50,13 +50,15 @@ the same, so results match the GPU's. fp32 inputs use ``input_precision="ieee"``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton.language as tl
 
 from moelab.kernels._common import dot_flags, jit, shrink_step, to_output
 from moelab.permutation import Segments, next_pow2
 
-__all__ = ["lora_shrink_expand_triton"]
+__all__ = ["DeltaTiles", "lora_shrink_expand_triton"]
 
 
 def _pow2_block(n: int, low: int, high: int) -> int:
@@ -166,10 +168,30 @@ def _lora_shrink_expand_kernel(
                           BLOCK_N, BLOCK_R, MUL_WEIGHT, DOT_F32, DOT_PRECISION)
 
 
+@dataclass(frozen=True)
+class DeltaTiles:
+    """The launch of :func:`lora_shrink_expand_triton` past BLOCK_M (the segments' tile, or 16 per slot):
+    ``block_k`` and ``block_n`` cap BLOCK_K (over D_in) and BLOCK_N (over D_out); ``num_stages`` is the depth of
+    Triton's software pipeline on both loops."""
+
+    block_k: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+#: Decode: every program streams one (adapter, expert) pair's A and B; wide tiles keep more bytes in flight per SM
+#: (BLOCK_K = BLOCK_N = 256 measured fastest on an H200 at T=1).
+PER_SLOT_TILES = DeltaTiles(256, 256)
+#: Tiles grouped by (adapter, expert): measured best at T=16384 among BLOCK_K, BLOCK_N in {64, 128, 256}.
+GROUPED_TILES = DeltaTiles(128, 128)
+
+
 def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
                               out: torch.Tensor, segments: Segments | None, *, topk_ids: torch.Tensor,
                               lora_ids: torch.Tensor, ranks: torch.Tensor, local_expert_offset: int,
-                              slots_per_input_row: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+                              slots_per_input_row: int, weight: torch.Tensor | None = None,
+                              tiles: DeltaTiles | None = None) -> torch.Tensor:
     """Launch the fused kernel; arguments are already validated by :mod:`moelab.lora`.
 
     Args:
@@ -182,6 +204,7 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
         ranks: int32 [L] on the device, each slot's own rank (``LoRABank.rank_table()``); A's rows and B's
             columns past it are zeros in the bank and not read.
         weight: [N] float, multiplied in fp32 (W2), or None.
+        tiles: the launch's :class:`DeltaTiles`; None: ``PER_SLOT_TILES`` or ``GROUPED_TILES`` by the mode.
     """
     num_slices = len(a_banks)
     max_loras, num_local_experts, rank, d_in = a_banks[0].shape
@@ -189,14 +212,12 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
     num_slots = out.shape[0]
     per_slot = segments is None
     if per_slot:
-        # Decode: every program streams one (adapter, expert) pair's A and B; wide tiles keep more bytes in
-        # flight per SM (BLOCK_K = BLOCK_N = 256 measured fastest on an H200 at T=1).
-        grid, block_m, block_k, block_n = num_slots, 16, 256, 256
+        grid, block_m = num_slots, 16
         row_to_slot = block_group = out  # unused
     else:
         grid, block_m = segments.row_to_slot.numel() // segments.tile, segments.tile
-        block_k, block_n = 128, 128  # measured best at T=16384 among BLOCK_K, BLOCK_N in {64, 128, 256}
         row_to_slot, block_group = segments.row_to_slot, segments.block_group
+    tiles = tiles or (PER_SLOT_TILES if per_slot else GROUPED_TILES)
     if grid == 0:
         return out
     a1, b1 = (a_banks[1], b_banks[1]) if num_slices == 2 else (a_banks[0], b_banks[0])
@@ -206,9 +227,9 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
         num_local_experts, max_loras, x.stride(0), slots_per_input_row, d_in, d_out, rank,
         max_loras * num_local_experts,
         NUM_SLICES=num_slices, MUL_WEIGHT=weight is not None, PER_SLOT=per_slot, RANK_STEP=8 if rank % 8 == 0 else 1,
-        BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, block_k), BLOCK_N=_pow2_block(d_out, 16, block_n),
+        BLOCK_M=block_m, BLOCK_K=_pow2_block(d_in, 16, tiles.block_k), BLOCK_N=_pow2_block(d_out, 16, tiles.block_n),
         BLOCK_R=_pow2_block(rank, 16, 1 << 30),
         **dot_flags(x.dtype),
-        num_warps=4,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -31,8 +31,10 @@ from moelab import _runtime
 from moelab.kernels._common import jit, routing_word_expert, wait_for_previous_kernel
 from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, next_pow2
 
-#: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1); beyond: torch path.
-MAX_GROUPS = 1023
+#: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1: 32 adapters of 128 experts
+#: are 4097); beyond: torch path (about two dozen launches and a radix sort: at 1025 groups, 8192 slots, 190 µs of
+#: GPU time on the H200, against 17 for these kernels).
+MAX_GROUPS = 8191
 #: Slots one program sorts (the chunk); up to one chunk a single program builds the whole segments.
 MAX_CHUNK = 1024
 
