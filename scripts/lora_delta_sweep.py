@@ -59,7 +59,11 @@ def main() -> None:
                 def group(ids=ids, lora_ids=lora_ids):
                     return build_lora_segments(ids, lora_ids, bank)
 
-                us = triton.testing.do_bench(group, warmup=25, rep=100, return_mode="median") * 1e3
+                try:
+                    us = triton.testing.do_bench(group, warmup=25, rep=100, return_mode="median") * 1e3
+                except Exception as e:  # noqa: BLE001 (report it, time the rest on the torch construction)
+                    print(f"  T={T:5d} segments at MAX_GROUPS {max_groups}: {type(e).__name__}: {e}")
+                    saved, us = 0, float("nan")
                 segments_kernels.MAX_GROUPS = saved
                 print(f"  T={T:5d} segments of {bank.max_loras * s.E + 1} groups, "
                       f"{'torch' if max_groups == 0 else 'Triton'}: {us:8.1f} us")
