@@ -29,10 +29,13 @@ def lora_experts(call: LoRAExpertsCall, routed_moe: Callable[[RoutedMoECall], Ro
     x, ids, W = call.hidden_states, call.topk_ids, call.weights
     T, K = ids.shape
     packed = pack_topk_ids_weights(ids, call.topk_weights, validate=False)  # checked by the caller
+    # What decoding ``packed`` gives (the finalize's weights, a torch backend's ids), without its five launches:
+    # packing rounds the weights with the same ``.to(bfloat16)``.
+    decoded = (ids.to(torch.int32).contiguous(), call.topk_weights.to(torch.bfloat16))
 
     def moe_call(delta: torch.Tensor | None, do_finalize: bool) -> RoutedMoECall:
         return RoutedMoECall(packed, packed, x, W, call.num_experts, K, call.local_expert_offset, delta,
-                             do_finalize, call.output if do_finalize else None)
+                             do_finalize, call.output if do_finalize else None, _decoded=decoded)
 
     if call.lora is None:
         routed_moe(moe_call(None, True))  # writes call.output
