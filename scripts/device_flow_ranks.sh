@@ -31,7 +31,7 @@ for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
         --shape "qwen3-30b-a3b;olmoe" --tokens 32,128,1024,4096 --time-budget 210 --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1)
       echo "$step exit $? ($(cd "$root" && python3 -c "import moelab; print(moelab.__file__)" 2>&1 | tail -1))" ;;
-    sweep) PYTHONPATH=$PWD timeout 300 python3 scripts/lora_delta_sweep.py --tokens 128,1024,4096 | tee "$OUT/sweep.log" ;;
+    sweep) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens "${SWEEP_T:-128,1024,4096}" | tee "$OUT/sweep.log" ;;
     sweep32) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens 1024 \
       --ranks "$(python3 -c "print(','.join(['64,32,16,8'] * 8))")" --tiles 16 | tee "$OUT/sweep32.log" ;;
     ncu*)  # each kernel of one eager call of the 8-adapter mixed bank at T = ${step#ncu}, Qwen3, under Nsight Compute

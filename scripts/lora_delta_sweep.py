@@ -23,7 +23,7 @@ from moelab.kernels.lora import GROUPED_TILES, PER_SLOT_TILES, DeltaTiles, lora_
 from moelab.lora import build_lora_segments, per_slot_by_size
 from moelab.roofline import get_shape
 
-CANDIDATES = "256/256/4/3,128/128/4/3,128/128/4/2,64/128/4/3,64/64/4/3,64/128/4/4,128/256/4/2,64/256/4/3"
+CANDIDATES = "256/256/4/3,128/128/4/3,64/128/4/3,64/64/4/3,64/128/4/4,128/128/4/2,64/128/8/3"
 
 
 def main() -> None:
@@ -83,7 +83,7 @@ def main() -> None:
                     return lora_shrink_expand_triton(*args, out, seg, topk_ids=ids, lora_ids=lora_ids,
                                                      ranks=bank.rank_table(), local_expert_offset=0, tiles=c, **kw)
 
-                ref = run(PER_SLOT_TILES if per_slot else GROUPED_TILES).clone()
+                ref = run(PER_SLOT_TILES if per_slot else GROUPED_TILES).clone()  # the tiles before 2026-12-06
                 for c in cands:
                     out.fill_(float("nan"))
                     got = run(c)
