@@ -23,12 +23,13 @@ BENCH=(--quick --lora --check-tokens 4 --peers none --impls moelab --no-ceilings
 for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
   el "$step"
   case $step in
-    tests) PYTHONPATH=$PWD gpu_tests 150 tests/test_lora.py tests/test_experts.py ;;
+    tests) PYTHONPATH=$PWD gpu_tests 150 tests/test_lora.py tests/test_experts.py tests/test_lora_banks.py \
+             tests/test_routed_moe.py -k "not bench" ;;
     old*|new*)
       root=$PWD; [[ $step == old* ]] && root=$PWD/build/ab/old
       # `python3 -m` puts the working directory first on sys.path: run from the tree whose moelab is meant
       (cd "$root" && PYTHONPATH=$root timeout 230 python3 -m moelab.bench "${BENCH[@]}" \
-        --shape "qwen3-30b-a3b;olmoe" --tokens 32,128,1024,4096 --time-budget 210 --out "$OUT/$step.json" \
+        --shape "${BENCH_SHAPES:-qwen3-30b-a3b;olmoe}" --tokens 32,128,1024,4096 --time-budget 210 --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1)
       echo "$step exit $? ($(cd "$root" && python3 -c "import moelab; print(moelab.__file__)" 2>&1 | tail -1))" ;;
     sweep) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens "${SWEEP_T:-128,1024,4096}" | tee "$OUT/sweep.log" ;;
