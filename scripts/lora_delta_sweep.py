@@ -86,7 +86,11 @@ def main() -> None:
                 ref = run(PER_SLOT_TILES if per_slot else GROUPED_TILES).clone()  # the tiles before 2026-12-06
                 for c in cands:
                     out.fill_(float("nan"))
-                    got = run(c)
+                    try:
+                        got = run(c)
+                    except triton.runtime.errors.OutOfResources as e:  # e.g. 256 / 256 on 16-row tiles
+                        print(f"  T={T} {delta} tile {tile} {c}: {e}")
+                        continue
                     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                     if not err < 1e-2:
                         print(f"  T={T} {delta} tile {tile} {c}: rel err {err:.2e} against the default tiles")

@@ -243,6 +243,34 @@ def test_triton_deltas_read_each_adapter_only_to_its_own_rank(path, device):
     assert_close_to_reference(got2, ref2, torch.float32, "w2_lora_delta")
 
 
+@pytest.mark.parametrize("tiles", ["PER_SLOT_TILES", "GROUPED_TILES", "MANY_PROGRAMS_TILES", "MANY_SLOTS_W2_TILES"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-slot", "grouped"])
+def test_every_default_delta_tiles_matches_reference(tiles, grouped, device):
+    # Each launch choose_delta_tiles can make, in both modes, on widths that take several K and N steps of each
+    # (H = 200, I = 136: masked tails too), against the float64 reference.
+    from moelab.kernels import lora as kernel
+
+    T, K, E, H, I, ranks = 7, 3, 4, 200, 136, (16, 8, 5)
+    bank = make_bank(len(ranks), E, H, I, 16, ranks, torch.float32, device=device)
+    x, act = torch.randn(T, H, device=device), torch.randn(T * K, I, device=device)
+    topk_ids = random_topk_ids(T, K, E, device=device)
+    lora_ids = torch.tensor([0, 1, 2, -1, 0, 1, 2], device=device)
+    w = random_weights(T, K, device=device)
+    seg = build_lora_segments(topk_ids, lora_ids, bank) if grouped else None
+    kw = dict(topk_ids=topk_ids, lora_ids=lora_ids, ranks=bank.rank_table(), local_expert_offset=0,
+              tiles=getattr(kernel, tiles))
+    d13 = poison(torch.empty(T * K, 2 * I, device=device))
+    kernel.lora_shrink_expand_triton(x, [bank.up_a, bank.gate_a], [bank.up_b, bank.gate_b], d13, seg,
+                                     slots_per_input_row=K, **kw)
+    d2 = poison(torch.empty(T * K, H, device=device))
+    kernel.lora_shrink_expand_triton(act, [bank.down_a], [bank.down_b], d2, seg, slots_per_input_row=1,
+                                     weight=w.flatten(), **kw)
+    ref13 = reference.w13_lora_delta(x, topk_ids, lora_ids, bank)
+    ref2 = reference.w2_lora_delta(act, topk_ids, w, lora_ids, bank)
+    assert_close_to_reference(d13.view(T, K, 2 * I), ref13, torch.float32, "w13")
+    assert_close_to_reference(d2.view(T, K, H), ref2, torch.float32, "w2")
+
+
 @given(T=st.integers(0, 9), E=st.integers(1, 5), data=st.data(), L=st.integers(1, 3),
        max_rank=st.sampled_from([1, 8, 20]), H=st.integers(1, 40), I=st.integers(1, 40), seed=st.integers(0, 999),
        grouped=st.booleans())

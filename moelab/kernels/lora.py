@@ -187,15 +187,21 @@ PER_SLOT_TILES = DeltaTiles(256, 256)
 GROUPED_TILES = DeltaTiles(128, 128)
 #: Many programs (per slot from ``MANY_SLOTS`` slots, or grouped tiles of at most 32 rows): narrower K steps, so
 #: several programs share an SM (at 256 / 128 the shared memory of 3 stages held one program an SM: Nsight Compute,
-#: H200, Qwen3-30B-A3B with 8 adapters, 46-58 % of the DRAM peak at T = 128 and 1024).
+#: H200, Qwen3-30B-A3B with 8 adapters of ranks 64/32/16/8, 46-58 % of the DRAM peak at T = 128 and 1024). Per slot
+#: at T = 128 there (``scripts/lora_delta_sweep.py``, H100, 2026-12-06) the W13 delta took 119.9 µs at 64 / 128
+#: against 154.4 at 256 / 256, the W2 delta (one slice, D_out = H) 67.5 µs at 64 / 64 against 84.1.
 MANY_PROGRAMS_TILES = DeltaTiles(64, 128)
+MANY_SLOTS_W2_TILES = DeltaTiles(64, 64)
 MANY_SLOTS = 512
 
 
-def choose_delta_tiles(num_slots: int, segments: Segments | None) -> DeltaTiles:
-    """The default launch of :func:`lora_shrink_expand_triton` (see the three constants above)."""
+def choose_delta_tiles(num_slots: int, segments: Segments | None, num_slices: int) -> DeltaTiles:
+    """The default launch of :func:`lora_shrink_expand_triton` (see the constants above); ``num_slices`` 2 is the
+    W13 delta, 1 the W2 delta."""
     if segments is None:
-        return PER_SLOT_TILES if num_slots < MANY_SLOTS else MANY_PROGRAMS_TILES
+        if num_slots < MANY_SLOTS:
+            return PER_SLOT_TILES
+        return MANY_PROGRAMS_TILES if num_slices == 2 else MANY_SLOTS_W2_TILES
     return MANY_PROGRAMS_TILES if segments.tile <= 32 else GROUPED_TILES
 
 
@@ -229,7 +235,7 @@ def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_ba
     else:
         grid, block_m = segments.row_to_slot.numel() // segments.tile, segments.tile
         row_to_slot, block_group = segments.row_to_slot, segments.block_group
-    tiles = tiles or choose_delta_tiles(num_slots, segments)
+    tiles = tiles or choose_delta_tiles(num_slots, segments, num_slices)
     if grid == 0:
         return out
     a1, b1 = (a_banks[1], b_banks[1]) if num_slices == 2 else (a_banks[0], b_banks[0])
