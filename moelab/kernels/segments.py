@@ -33,7 +33,7 @@ from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, ne
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1: 32 adapters of 128 experts
 #: are 4097); beyond: torch path (about 70 small launches and a radix sort). At 1025 groups and 8192 slots (8
-#: adapters, Qwen3-30B-A3B, T = 1024) the torch path read 190 µs of GPU time under Nsight Compute (H200) and 679 µs
+#: adapters, Qwen3-30B-A3B, T = 1024) the torch path read 263 µs of GPU time under Nsight Compute (H200) and 679 µs
 #: eagerly (``do_bench``, H100), these kernels 181 µs (H100): their tile -> group map is a vector compare over every
 #: group for every tile (``_store_block_groups``), the next thing to make cheaper.
 MAX_GROUPS = 8191
