@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Issue 12, serving banks on vLLM's flow: the delta kernel reading each adapter's own rank (HEAD) against reading
-# the bank's max_rank (OLD: the moelab package of an earlier commit, unpacked into build/ab/old). ~15 min on one H200
-# in all: split it over calls with RUNS (below), each call under the device's 10 minutes.
+# Issue 12, serving banks on vLLM's flow (BENCHMARKS.md, "Serving banks on vLLM's flow"): HEAD against OLD, the moelab
+# package of an earlier commit unpacked into build/ab/old, in one call; the delta kernel's tile sweep; Nsight Compute.
 #   here:   mkdir -p build/ab/old && git archive <old commit> moelab | tar -x -C build/ab/old
-#   device: run(command="MOELAB_COMMIT=<HEAD> OLD_COMMIT=<old> bash scripts/device_flow_ranks.sh", carry=["build/ab"])
-# 0. GPU tests of the flow's delta kernel and the LoRA paths (tests/test_lora.py, tests/test_experts.py).
-# 1. python -m moelab.bench --lora, the 8- and 32-adapter mixed banks (ranks 64/32/16/8) on Qwen3-30B-A3B and
-#    OLMoE at T = 32-4096 (auto: vLLM's flow at these T, its delta kernel per slot or grouped by size), OLD, HEAD, OLD, HEAD
-#    (two processes of each, alternating, so the host's and the GPU's drift shows as spread between the pairs).
-# 2. HEAD only: the flow's two delta modes forced (flow-grouped, flow-per-slot) on Qwen3 8x mixed, T = 128-1024,
-#    to re-read the crossover (moelab.lora.PER_SLOT_MAX_BYTES) on the rank-aware kernel.
-# Writes $OUT/{env.txt,tests.log,old1.json,new1.json,old2.json,new2.json,cross.json} and the .md beside each.
+#   device: run(command="MOELAB_COMMIT=<HEAD> OLD_COMMIT=<old> RUNS='tests sweep new1 old1' bash
+#           scripts/device_flow_ranks.sh", carry=["build/ab"])   (NB2's call: 327 s on an H100 with BENCH_SHAPES=qwen3)
+# Steps (RUNS, in order; the default runs all of them, ~15 min: split it over calls of under 10 minutes):
+#   tests          GPU tests of the delta kernel, the LoRA paths and the segments (~150 s)
+#   old1 new1 ...  python -m moelab.bench --lora, the 8- and 32-adapter mixed banks (ranks 64/32/16/8) on
+#                  BENCH_SHAPES (default Qwen3-30B-A3B and OLMoE) at T = 32-4096, on OLD (old*) or HEAD (new*); each
+#                  process runs from its own tree (~50-70 s a shape)
+#   sweep          scripts/lora_delta_sweep.py at SWEEP_T (default 128,1024,4096), sweep32 the 32-adapter bank
+#   cross          HEAD's two delta modes forced (flow-grouped, flow-per-slot), Qwen3 8 adapters, T = 128-1024
+#   ncuT           Nsight Compute on each kernel of one eager call at T (ncu128, ncu1024), Qwen3 8 adapters
+# Writes $OUT/{env.txt,tests.log,<step>.json|.log|.md,sweep.log,ncuT.csv}.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/flow_ranks}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
@@ -18,8 +20,6 @@ OUT=${OUT:-build/flow_ranks}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 echo "old ${OLD_COMMIT:-unknown}" >> "$OUT/env.txt"
 BENCH=(--quick --lora --check-tokens 4 --peers none --impls moelab --no-ceilings --lora-variants "8x mixed,32x mixed"
        --graph-max-t 4096)
-# RUNS picks the steps, in order (default: all; ~3 min each bench process, 2 min the tests): tests, old1, new1,
-# old2, new2 (the bench on OLD or HEAD), cross, ncuT (Nsight Compute on one eager call at T: ncu128, ncu1024).
 for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
   el "$step"
   case $step in
