@@ -28,10 +28,10 @@ def lora_experts(call: LoRAExpertsCall, routed_moe: Callable[[RoutedMoECall], Ro
     False). Writes and returns ``call.output`` [T, H]."""
     x, ids, W = call.hidden_states, call.topk_ids, call.weights
     T, K = ids.shape
-    packed = pack_topk_ids_weights(ids, call.topk_weights, validate=False)  # checked by the caller
-    # What decoding ``packed`` gives (the finalize's weights, a torch backend's ids), without its five launches:
-    # packing rounds the weights with the same ``.to(bfloat16)``.
+    # What decoding the packed words gives (the finalize's weights, a torch backend's ids), without its five
+    # launches; packing them again rounds nothing (bf16 to bf16, int32 to int32 are the tensors themselves).
     decoded = (ids.to(torch.int32).contiguous(), call.topk_weights.to(torch.bfloat16))
+    packed = pack_topk_ids_weights(*decoded, validate=False)  # checked by the caller
 
     def moe_call(delta: torch.Tensor | None, do_finalize: bool) -> RoutedMoECall:
         return RoutedMoECall(packed, packed, x, W, call.num_experts, K, call.local_expert_offset, delta,
