@@ -30,7 +30,7 @@ import torch
 from moelab import _checks, _runtime
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor, dtype_name
 from moelab.ops import _use_triton
-from moelab.permutation import Segments, build_segments, next_pow2
+from moelab.permutation import Segments, adapter_expert_groups, build_segments, next_pow2
 
 __all__ = ["LoRABank", "lora_scaling", "lora_segments", "build_lora_segments", "w13_lora_delta", "w2_lora_delta",
            "per_slot_by_size"]
@@ -375,18 +375,16 @@ def build_lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: Lo
     """
     L, E_local = bank.max_loras, bank.num_local_experts
     T, K = topk_ids.shape
-    zero_group = L * E_local
-    expert = topk_ids.long() - local_expert_offset
-    adapter = lora_ids.long()[:, None]
-    live = (expert >= 0) & (expert < E_local) & (adapter >= 0) & (adapter < L)
-    group = torch.where(live, adapter * E_local + expert, zero_group)
     loaded = sum(1 for r in bank.ranks if r > 0)  # host list: the groups tokens can fall in
     tile = tile or _block_m(T * K, E_local * max(loaded, 1))
-    if not _runtime.triton_can_run(group.device):
-        return build_segments(group.flatten(), zero_group + 1, tile)
+    if not _runtime.triton_can_run(topk_ids.device):
+        return build_segments(adapter_expert_groups(topk_ids, lora_ids, L, E_local, local_expert_offset),
+                              L * E_local + 1, tile)
     from moelab.kernels.segments import build_segments_triton  # triton is optional (no wheel on macOS)
 
-    return build_segments_triton(group.flatten(), zero_group + 1, tile)  # 1-3 launches
+    # 1-3 launches that read the ids themselves (the groups in torch were a dozen small kernels)
+    return build_segments_triton(topk_ids, L * E_local + 1, tile, local_expert_offset, adapter_ids=lora_ids,
+                                 num_experts=E_local)
 
 
 def lora_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, bank: LoRABank, *,

@@ -96,6 +96,18 @@ def build_segments(group: torch.Tensor, num_groups: int, tile: int) -> Segments:
     return Segments(slot_to_row, row_to_slot.contiguous(), block_group, tile, num_groups)
 
 
+def adapter_expert_groups(topk_ids: torch.Tensor, adapter_ids: torch.Tensor, num_adapters: int,
+                          num_local_experts: int, local_expert_offset: int = 0) -> torch.Tensor:
+    """int64 [T*K]: the (adapter, local expert) group of each slot, ``adapter * E_local + expert``, for a slot whose
+    token's adapter (``adapter_ids`` int [T]) is in ``[0, num_adapters)`` and whose expert (``topk_ids`` int [T, K],
+    global ids) is local; every other slot goes to the last group ``num_adapters * E_local`` (the LoRA kernels'
+    zero group). The groups :func:`moelab.kernels.segments.build_segments_triton` forms with ``adapter_ids``."""
+    expert = topk_ids.long() - local_expert_offset
+    adapter = adapter_ids.long()[:, None]
+    live = (expert >= 0) & (expert < num_local_experts) & (adapter >= 0) & (adapter < num_adapters)
+    return torch.where(live, adapter * num_local_experts + expert, num_adapters * num_local_experts).flatten()
+
+
 def local_expert_of_slot(topk_ids: torch.Tensor, local_expert_offset: int) -> torch.Tensor:
     """int64 [T*K]: ``global id - offset`` (a value outside [0, E_local) marks a non-local slot)."""
     return topk_ids.flatten().long() - local_expert_offset

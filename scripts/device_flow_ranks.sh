@@ -11,7 +11,8 @@
 #                  process runs from its own tree (~50-70 s a shape)
 #   sweep          scripts/lora_delta_sweep.py at SWEEP_T (default 128,1024,4096), sweep32 the 32-adapter bank
 #   cross          HEAD's two delta modes forced (flow-grouped, flow-per-slot), Qwen3 8 adapters, T = 128-1024
-#   segprof        scripts/segments_profile.py: each kernel of the segments at 129, 1025 and 4097 groups, T = 1024-16384
+#   segold segnew  scripts/segments_profile.py on OLD's or HEAD's moelab: each kernel of the segments by expert and
+#                  of the LoRA grouping of 8 and 32 adapters (Qwen3's 128 experts), T = SEG_T (default 1024,4096,16384)
 #   ncuT           Nsight Compute on each kernel of one eager call at T (ncu128, ncu1024), Qwen3 8 adapters
 # Writes $OUT/{env.txt,tests.log,<step>.json|.log|.md,sweep.log,ncuT.csv}.
 set -uo pipefail
@@ -44,8 +45,10 @@ for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
         python3 scripts/lora_decode_ncu.py --shape qwen3-30b-a3b --tokens "${step#ncu}" --lora 64,32,16,8,64,32,16,8 \
         > "$OUT/$step.csv" 2> "$OUT/$step.err"
       echo "$step exit $?"; PYTHONPATH=$PWD python3 scripts/lora_decode_ncu.py --report "$OUT/$step.csv" ;;
-    segprof) PYTHONPATH=$PWD timeout 150 python3 scripts/segments_profile.py --tokens 1024,4096,16384 \
-      --groups 129,1025,4097 --tile 16 | tee "$OUT/segprof.log" ;;
+    segold|segnew)
+      root=$PWD; [[ $step == segold ]] && root=$PWD/build/ab/old
+      PYTHONPATH=$root timeout 150 python3 scripts/segments_profile.py --tokens "${SEG_T:-1024,4096,16384}" \
+        --adapters 0,8,32 2>&1 | tee "$OUT/$step.log" ;;
     cross)
       PYTHONPATH=$PWD timeout 120 python3 -m moelab.bench "${BENCH[@]}" --shape qwen3-30b-a3b \
         --tokens 128,256,512,1024 --lora-variants "8x mixed" --lora-paths flow-grouped,flow-per-slot \

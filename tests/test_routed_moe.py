@@ -372,6 +372,37 @@ def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high
     assert torch.equal(got.block_group, want.block_group)
 
 
+@pytest.mark.parametrize(
+    "T, K, E_local, L, offset",
+    [
+        (5, 4, 16, 8, 0),  # 129 groups, one program
+        (40, 8, 128, 8, 0),  # 1025 groups (8 adapters of Qwen3-30B-A3B), one program: the bisection
+        (300, 8, 128, 8, 2),  # several chunks, the EP window [2, 130)
+        (200, 8, 128, 32, 0),  # 4097 groups (32 adapters), several chunks
+        (10, 2, 64, 200, 0),  # 12801 groups, more than MAX_GROUPS: the torch construction
+    ],
+)
+def test_segments_by_adapter_follow_their_definition(T, K, E_local, L, offset, device):
+    """The (adapter, local expert) grouping the LoRA kernels share, read by the segments kernels from the ids
+    themselves, against the groups written out slot by slot (adapters out of the bank and non-local experts: the
+    last group) and the torch construction of those groups."""
+    from moelab.kernels.segments import build_segments_triton
+    from moelab.permutation import adapter_expert_groups, build_segments
+
+    g = torch.Generator().manual_seed(T * L)
+    topk_ids = torch.randint(0, E_local + offset + 3, (T, K), generator=g, dtype=torch.int32)
+    lora_ids = torch.randint(-1, L + 2, (T,), generator=g)
+    want = [a * E_local + e - offset if 0 <= a < L and 0 <= e - offset < E_local else L * E_local
+            for t, a in enumerate(lora_ids.tolist()) for e in topk_ids[t].tolist()]
+    groups = adapter_expert_groups(topk_ids, lora_ids, L, E_local, offset)
+    assert groups.tolist() == want
+    want_seg = build_segments(groups, L * E_local + 1, 16)
+    got = build_segments_triton(topk_ids.to(device), L * E_local + 1, 16, offset, adapter_ids=lora_ids.to(device),
+                                num_experts=E_local)
+    for name in ("slot_to_row", "row_to_slot", "block_group"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want_seg, name)), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_routing_weights(backend, device):
     # The caller's (ids, weights) may be a transposed view: the kernels must not assume its strides.

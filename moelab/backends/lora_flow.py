@@ -22,20 +22,23 @@ from moelab.packing import pack_topk_ids_weights
 
 
 def lora_experts(call: LoRAExpertsCall, routed_moe: Callable[[RoutedMoECall], RoutedMoEResult], *,
-                 use_triton: bool | None = None) -> torch.Tensor:
+                 use_triton: bool | None = None, pack: bool = True) -> torch.Tensor:
     """``call`` through ``routed_moe`` (a backend's, taking a :class:`~moelab.contract.RoutedMoECall`) and
     moelab's standalone LoRA ops; ``use_triton`` as in :func:`moelab.w13_lora_delta` (the torch backend passes
-    False). Writes and returns ``call.output`` [T, H]."""
+    False). ``pack``: hand ``routed_moe`` FlashInfer's packed words, as vLLM does; False: the (int32 ids, bf16
+    weights) pair they would decode to, the same values without the packing's four launches (the triton backend's
+    kernels read either). Writes and returns ``call.output`` [T, H]."""
     x, ids, W = call.hidden_states, call.topk_ids, call.weights
     T, K = ids.shape
     # What decoding the packed words gives (the finalize's weights, a torch backend's ids), without its five
     # launches; packing them again rounds nothing (bf16 to bf16, int32 to int32 are the tensors themselves).
     decoded = (ids.to(torch.int32).contiguous(), call.topk_weights.to(torch.bfloat16))
-    packed = pack_topk_ids_weights(*decoded, validate=False)  # checked by the caller
+    packed = pack_topk_ids_weights(*decoded, validate=False) if pack else None  # checked by the caller
 
     def moe_call(delta: torch.Tensor | None, do_finalize: bool) -> RoutedMoECall:
-        return RoutedMoECall(packed, packed, x, W, call.num_experts, K, call.local_expert_offset, delta,
-                             do_finalize, call.output if do_finalize else None, _decoded=decoded)
+        return RoutedMoECall(decoded if packed is None else packed, packed, x, W, call.num_experts, K,
+                             call.local_expert_offset, delta, do_finalize, call.output if do_finalize else None,
+                             _decoded=decoded)
 
     if call.lora is None:
         routed_moe(moe_call(None, True))  # writes call.output

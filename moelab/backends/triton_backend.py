@@ -450,12 +450,13 @@ def lora_experts(call: LoRAExpertsCall) -> torch.Tensor:
 def _lora_experts_launches(call: LoRAExpertsCall) -> torch.Tensor:
     """:func:`lora_experts`' launches, into ``call.output``."""
     tiled = functools.partial(routed_moe, token_major=False)
+    flow = functools.partial(lora_flow.lora_experts, routed_moe=tiled, pack=False)  # the kernels read the ids
     if _lora_unfused(call):
-        return lora_flow.lora_experts(call, tiled)
+        return flow(call)
     if _lora_token_major(call):
         return call.output
     if _wide_past_crossover(call, call.lora):
-        return lora_flow.lora_experts(call, tiled)
+        return flow(call)
     if call.hidden_states.shape[0] == 0:
         return call.output
     weights = _kernel_weights(call.topk_weights)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from moelab import _runtime
 from moelab.kernels._common import jit, routing_word_expert, wait_for_previous_kernel
-from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, next_pow2
+from moelab.permutation import Segments, adapter_expert_groups, build_segments, cdiv, max_live_rows, next_pow2
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1: 32 adapters of 128 experts
 #: are 4097); beyond: torch path (about 70 small launches and a radix sort). At 1025 groups and 8192 slots (8
@@ -37,38 +37,64 @@ from moelab.permutation import Segments, build_segments, cdiv, max_live_rows, ne
 #: eagerly (``do_bench``, H100), these kernels 181 µs (H100): their tile -> group map is a vector compare over every
 #: group for every tile (``_store_block_groups``), the next thing to make cheaper.
 MAX_GROUPS = 8191
+#: Above this many bins (groups + 1, a power of two) the tile -> group map bisects the segment starts instead of
+#: comparing every tile with every group: the LoRA groupings of 8 or more adapters; the experts of a routed MoE stay
+#: on the compare.
+BISECT_BINS = 1024
 #: Slots one program sorts (the chunk); up to one chunk a single program builds the whole segments.
 MAX_CHUNK = 1024
 
 
 @jit
-def _load_groups(values_ptr, slots, num_slots, offset, num_groups, NO_GROUP: tl.constexpr, PACKED: tl.constexpr):
-    g = tl.load(values_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
+def _load_groups(values_ptr, slots, num_slots, offset, num_groups, NO_GROUP: tl.constexpr, PACKED: tl.constexpr,
+                 adapter_ptr, top_k, num_experts, BY_ADAPTER: tl.constexpr):
+    """Group of each slot (int32, NO_GROUP for a slot past ``num_slots`` or outside ``[0, num_groups)``): the value
+    minus ``offset``, or with BY_ADAPTER the (adapter, expert) group ``adapter * num_experts + expert`` of
+    ``moelab.permutation.adapter_expert_groups`` (adapter = ``adapter_ptr[slot // top_k]``; the last group for a
+    slot without an adapter in ``[0, (num_groups - 1) // num_experts)`` or a local expert)."""
+    live_slot = slots < num_slots
+    g = tl.load(values_ptr + slots, mask=live_slot, other=-1).to(tl.int32)
     if PACKED:  # FlashInfer's routing word: the expert id is the signed high half
         g = routing_word_expert(g)
     g = g - offset
-    return tl.where((slots < num_slots) & (g >= 0) & (g < num_groups), g, NO_GROUP)
+    if BY_ADAPTER:
+        adapter = tl.load(adapter_ptr + slots // top_k, mask=live_slot, other=-1).to(tl.int32)
+        zero_group = num_groups - 1
+        live = (g >= 0) & (g < num_experts) & (adapter >= 0) & (adapter < zero_group // num_experts)
+        g = tl.where(live, adapter * num_experts + g, zero_group)
+    return tl.where(live_slot & (g >= 0) & (g < num_groups), g, NO_GROUP)
 
 
 @jit
-def _store_block_groups(block_group_ptr, seg_end, bins, num_groups, total, b_start, b_end,
-                        TILE: tl.constexpr, CB: tl.constexpr):
+def _store_block_groups(block_group_ptr, seg_start_ptr, seg_end, bins, num_groups, total, b_start, b_end,
+                        TILE: tl.constexpr, CB: tl.constexpr, G_BINS: tl.constexpr, BISECT: tl.constexpr):
     """block_group[b] for b in [b_start, b_end): the group whose tile-padded segment holds rows
     [b*TILE, (b+1)*TILE) (the number of segments that end at or before it), -1 past ``total`` live rows.
-    ``seg_end`` int32 [G_BINS]: where each group's segment ends (bins >= num_groups ignored)."""
+    ``seg_end`` int32 [G_BINS]: where each group's segment ends (bins >= num_groups ignored); with BISECT, found
+    by bisection of ``seg_start_ptr`` int32 [G_BINS] (segment starts, ``seg_start[g + 1]`` the end of g, the
+    total from ``num_groups`` on) instead: log2(G_BINS) loads a tile rather than a compare with every group."""
     for b0 in range(b_start, b_end, CB):
         blocks = b0 + tl.arange(0, CB)
-        ends_before = (seg_end[None, :] <= (blocks * TILE)[:, None]) & (bins[None, :] < num_groups)
-        group = tl.sum(ends_before.to(tl.int32), axis=1)  # empty segments end where they start: skipped
+        if BISECT:
+            group = tl.zeros((CB,), dtype=tl.int32)  # segments found to end at or before the tile
+            for i in tl.static_range(14):  # steps G_BINS / 2, ..., 1 (G_BINS <= 2 * MAX_GROUPS + 2 = 2**14)
+                if (G_BINS >> (i + 1)) > 0:
+                    cand = group + (G_BINS >> (i + 1))
+                    end = tl.load(seg_start_ptr + cand, mask=cand <= num_groups, other=0)  # end of group cand - 1
+                    group = tl.where((cand <= num_groups) & (end <= blocks * TILE), cand, group)
+        else:
+            ends_before = (seg_end[None, :] <= (blocks * TILE)[:, None]) & (bins[None, :] < num_groups)
+            group = tl.sum(ends_before.to(tl.int32), axis=1)  # empty segments end where they start: skipped
         tl.store(block_group_ptr + blocks, tl.where(blocks * TILE < total, group, -1), mask=blocks < b_end)
 
 
 @jit
 def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, num_slots, offset, num_groups,
-                           CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr):
+                           adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
+                           PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr):
     chunk = tl.program_id(0)
     g = _load_groups(values_ptr, chunk * CHUNK + tl.arange(0, CHUNK), num_slots, offset, num_groups, G_BINS - 1,
-                     PACKED)
+                     PACKED, adapter_ptr, top_k, num_experts, BY_ADAPTER)
     hist = tl.histogram(g, G_BINS)
     bins = tl.arange(0, G_BINS)
     tl.store(hist_ptr + chunk * G_BINS + bins, hist)
@@ -96,18 +122,23 @@ def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, n
 @jit
 def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, seg_start_ptr,
                              slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset, num_groups,
-                             num_blocks, blocks_per_chunk, TILE: tl.constexpr, CHUNK: tl.constexpr,
-                             G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr):
+                             num_blocks, blocks_per_chunk, adapter_ptr, top_k, num_experts, TILE: tl.constexpr,
+                             CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
+                             BY_ADAPTER: tl.constexpr, BISECT: tl.constexpr):
     chunk = tl.program_id(0)
     bins = tl.arange(0, G_BINS)
     # This chunk's share of the tile -> group map (one program for all tiles took 45 µs at T=16384 on the H200).
-    seg_end = tl.load(seg_start_ptr + bins + 1, mask=bins + 1 < G_BINS, other=0)  # seg_start[g+1], g < G
+    if BISECT:
+        seg_end = bins  # unused: the bisection reads seg_start itself
+    else:
+        seg_end = tl.load(seg_start_ptr + bins + 1, mask=bins + 1 < G_BINS, other=0)  # seg_start[g+1], g < G
     total = tl.load(seg_start_ptr + G_BINS - 1)
     b_start = chunk * blocks_per_chunk
-    _store_block_groups(block_group_ptr, seg_end, bins, num_groups, total, b_start,
-                        tl.minimum(b_start + blocks_per_chunk, num_blocks), TILE, CB)
+    _store_block_groups(block_group_ptr, seg_start_ptr, seg_end, bins, num_groups, total, b_start,
+                        tl.minimum(b_start + blocks_per_chunk, num_blocks), TILE, CB, G_BINS, BISECT)
     lane = tl.arange(0, CHUNK)
-    g = _load_groups(values_ptr, chunk * CHUNK + lane, num_slots, offset, num_groups, G_BINS - 1, PACKED)
+    g = _load_groups(values_ptr, chunk * CHUNK + lane, num_slots, offset, num_groups, G_BINS - 1, PACKED,
+                     adapter_ptr, top_k, num_experts, BY_ADAPTER)
     order = tl.sort(g * CHUNK + lane)  # by group, then by slot: a stable sort of the chunk
     g_sorted, lane_sorted = order // CHUNK, order % CHUNK
     in_group = g_sorted < num_groups
@@ -122,33 +153,41 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
 
 @jit
 def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
-                               num_slots, offset, num_groups, num_rows, num_blocks,
-                               TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
-                               CB: tl.constexpr, USE_GDC: tl.constexpr = False):
+                               num_slots, offset, num_groups, num_rows, num_blocks, adapter_ptr, top_k,
+                               num_experts, TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
+                               PACKED: tl.constexpr, CB: tl.constexpr, BY_ADAPTER: tl.constexpr,
+                               BISECT: tl.constexpr, USE_GDC: tl.constexpr = False):
     wait_for_previous_kernel(USE_GDC)
     one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset,
-                       num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB)
+                       num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB, adapter_ptr, top_k,
+                       num_experts, BY_ADAPTER, BISECT)
 
 
 @jit
 def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
                        num_slots, offset, num_groups, num_rows, num_blocks,
                        TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
-                       CB: tl.constexpr):
-    """All of the segments of up to CHUNK slots in one program (see :func:`plan_one_chunk` for the arguments)."""
+                       CB: tl.constexpr, adapter_ptr=None, top_k=1, num_experts=1, BY_ADAPTER: tl.constexpr = False,
+                       BISECT: tl.constexpr = False):
+    """All of the segments of up to CHUNK slots in one program (see :func:`plan_one_chunk` for the arguments;
+    ``scratch_ptr`` int32 [2 * G_BINS])."""
     lane = tl.arange(0, CHUNK)
     bins = tl.arange(0, G_BINS)
-    g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED)
+    g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED, adapter_ptr, top_k,
+                     num_experts, BY_ADAPTER)
     hist = tl.histogram(g, G_BINS)
     padded = (tl.where(bins < num_groups, hist, 0) + TILE - 1) // TILE * TILE
     seg_end = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     # row of the j-th slot of group g in sorted order = seg_start[g] + j - (slots of groups < g) =: row_base[g] + j
     tl.store(scratch_ptr + bins, (seg_end - padded) - (tl.cumsum(hist, axis=0) - hist))
-    _store_block_groups(block_group_ptr, seg_end, bins, num_groups, total, 0, num_blocks, TILE, CB)
+    if BISECT:
+        tl.store(scratch_ptr + G_BINS + bins, seg_end - padded)  # seg_start, for the bisection
     for r0 in range(0, num_rows, CHUNK):
         tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < num_rows)
-    tl.debug_barrier()  # row_base visible to every thread, and the -1 fill done before the live rows land
+    tl.debug_barrier()  # row_base and seg_start visible to every thread, the -1 fill done before the live rows land
+    _store_block_groups(block_group_ptr, scratch_ptr + G_BINS, seg_end, bins, num_groups, total, 0, num_blocks, TILE,
+                        CB, G_BINS, BISECT)
     order = tl.sort(g * CHUNK + lane)
     g_sorted, slot = order // CHUNK, order % CHUNK
     in_group = g_sorted < num_groups
@@ -197,13 +236,14 @@ def _one_chunk_layout(n: int, num_groups: int, tile: int) -> tuple[tuple[int, ..
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk = next_pow2(n)
-    sizes = (n, rows, rows // tile, g_bins)
+    sizes = (n, rows, rows // tile, 2 * g_bins if g_bins > BISECT_BINS else g_bins)
     # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4
     return sizes, sum(sizes), rows, chunk, g_bins, 4 if chunk > 256 else 2
 
 
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
-                          packed: bool = False, pdl: dict | None = None) -> Segments:
+                          packed: bool = False, adapter_ids: torch.Tensor | None = None,
+                          num_experts: int | None = None, pdl: dict | None = None) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in one Triton launch up to
     ``MAX_CHUNK`` slots, else three.
 
@@ -212,20 +252,35 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
             int32 packed routing words when ``packed`` (the id is ``word >> 16``).
         num_groups: G (at most ``MAX_GROUPS``, else the torch construction runs).
         tile: rows per tile (a power of two).
+        adapter_ids: int [T] with ``values`` the expert ids of T tokens ([T*K]) and ``num_experts`` E_local: group
+            by (adapter, local expert) instead, the groups of :func:`moelab.permutation.adapter_expert_groups` for
+            ``G = L * E_local + 1`` (L adapters, the last group the slots of no adapter or no local expert).
         pdl: the launch options of :func:`moelab._runtime.pdl_launch` (default: asked here).
     """
     values = values.flatten()
     n = values.numel()
+    by_adapter = adapter_ids is not None
+    if by_adapter:
+        adapter_ids = adapter_ids.contiguous()  # read by token index
+    top_k = n // max(adapter_ids.numel(), 1) if by_adapter else 1
+    experts = num_experts if by_adapter else 1
     if n == 0 or num_groups > MAX_GROUPS:
-        ids = (values >> 16) if packed else values
-        return build_segments(ids.long() - offset, num_groups, tile)
-    if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk, positional: decode calls are host-bound)
+        ids = ((values >> 16) if packed else values).long()
+        if by_adapter:
+            group = adapter_expert_groups(ids.view(adapter_ids.numel(), top_k), adapter_ids,
+                                          (num_groups - 1) // experts, experts, offset)
+        else:
+            group = ids - offset
+        return build_segments(group, num_groups, tile)
+    adapters = dict(adapter_ptr=adapter_ids, top_k=top_k, num_experts=experts, BY_ADAPTER=by_adapter)
+    if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk: decode calls are host-bound)
         sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
         slot_to_row, row_to_slot, block_group, scratch = torch.empty(
             total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
         _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
-                                         num_groups, rows, sizes[2], tile, chunk, g_bins, packed,
-                                         max(1, 4096 // g_bins), num_warps=num_warps,
+                                         num_groups, rows, sizes[2], **adapters, TILE=tile, CHUNK=chunk,
+                                         G_BINS=g_bins, PACKED=packed, CB=max(1, 4096 // g_bins),
+                                         BISECT=g_bins > BISECT_BINS, num_warps=num_warps,
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
         return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     device = values.device
@@ -239,13 +294,14 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     slot_to_row, row_to_slot, block_group, scratch = buf.split_with_sizes([n, rows, rows // tile, scratch_size])
     row_to_slot.fill_(-1)  # padding rows stay -1
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split_with_sizes([num_chunks * g_bins] * 3 + [g_bins])
-    _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups,
+    _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups, **adapters,
                                           CHUNK=chunk, G_BINS=g_bins, PACKED=packed, num_warps=warps)
     _segments_scan_kernel[(1,)](hist, chunk_base, seg_start, num_chunks, num_groups,
                                 TILE=tile, G_BINS=g_bins, CB=cb, num_warps=4)
     num_blocks = rows // tile
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
-                                            cdiv(num_blocks, num_chunks), TILE=tile, CHUNK=chunk,
-                                            G_BINS=g_bins, PACKED=packed, CB=cb, num_warps=warps)
+                                            cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
+                                            G_BINS=g_bins, PACKED=packed, CB=cb, BISECT=g_bins > BISECT_BINS,
+                                            num_warps=warps)
     return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
