@@ -37,10 +37,13 @@ from moelab.permutation import Segments, adapter_expert_groups, build_segments, 
 #: eagerly (``do_bench``, H100), these kernels 181 µs (H100): their tile -> group map is a vector compare over every
 #: group for every tile (``_store_block_groups``), the next thing to make cheaper.
 MAX_GROUPS = 8191
-#: Above this many bins (groups + 1, a power of two) the tile -> group map bisects the segment starts instead of
-#: comparing every tile with every group: the LoRA groupings of 8 or more adapters; the experts of a routed MoE stay
-#: on the compare.
+#: Above this many bins (groups + 1, a power of two: the LoRA groupings of 8 or more adapters; the experts of a
+#: routed MoE stay below) the kernels take the ways that scale with the groups: the histogram by atomics, the scan
+#: over chunks in programs of SCAN_BINS bins, and the tile -> group map by bisection of the segment starts,
+#: BISECT_CB tiles at once (a compare of every tile with every group read 230 µs at 4097 groups, T = 1024, H200).
 BISECT_BINS = 1024
+SCAN_BINS = 256
+BISECT_CB = 256
 #: Slots one program sorts (the chunk); up to one chunk a single program builds the whole segments.
 MAX_CHUNK = 1024
 
@@ -89,23 +92,45 @@ def _store_block_groups(block_group_ptr, seg_start_ptr, seg_end, bins, num_group
 
 
 @jit
+def _histogram(g, counts_ptr, G_BINS: tl.constexpr, ATOMIC: tl.constexpr):
+    """``tl.histogram(g, G_BINS)`` (int32 [G_BINS]); with ATOMIC counted by atomic adds into ``counts_ptr``
+    int32 [G_BINS] (zeroed here first): tl.histogram's cost grows with the bins (on the H200 one program of 1024
+    slots took 45 µs at 8192 bins, 1.8 at 256). The counts are integers: the same whatever the order."""
+    if ATOMIC:
+        bins = tl.arange(0, G_BINS)
+        tl.store(counts_ptr + bins, tl.zeros((G_BINS,), dtype=tl.int32))
+        tl.debug_barrier()
+        tl.atomic_add(counts_ptr + g, tl.full(g.shape, 1, tl.int32), sem="relaxed")
+        tl.debug_barrier()
+        hist = tl.load(counts_ptr + bins, cache_modifier=".cg")  # from L2, where the atomics landed
+        tl.debug_barrier()  # read by every thread before the caller reuses the counts' memory
+    else:
+        hist = tl.histogram(g, G_BINS)
+    return hist
+
+
+@jit
 def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, num_slots, offset, num_groups,
                            adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
-                           PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr):
+                           PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr):
     chunk = tl.program_id(0)
     g = _load_groups(values_ptr, chunk * CHUNK + tl.arange(0, CHUNK), num_slots, offset, num_groups, G_BINS - 1,
                      PACKED, adapter_ptr, top_k, num_experts, BY_ADAPTER)
-    hist = tl.histogram(g, G_BINS)
+    hist = _histogram(g, hist_ptr + chunk * G_BINS, G_BINS, ATOMIC)
     bins = tl.arange(0, G_BINS)
-    tl.store(hist_ptr + chunk * G_BINS + bins, hist)
+    if not ATOMIC:
+        tl.store(hist_ptr + chunk * G_BINS + bins, hist)
     tl.store(chunk_bin_start_ptr + chunk * G_BINS + bins, tl.cumsum(hist, axis=0) - hist)
 
 
 @jit
 def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, num_groups,
-                          TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr):
-    bins = tl.arange(0, G_BINS)
-    carry = tl.zeros((G_BINS,), dtype=tl.int32)
+                          TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr):
+    """The scan over chunks of BG bins a program. One program (BG = G_BINS) also writes the segment starts; else
+    each writes its bins' padded counts there, and :func:`_segments_prefix_kernel` scans them (one program over
+    8192 bins of 128 chunks took 91 µs on the H200)."""
+    bins = tl.program_id(0) * BG + tl.arange(0, BG)
+    carry = tl.zeros((BG,), dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
         chunks = c0 + tl.arange(0, CB)
         idx = chunks[:, None] * G_BINS + bins[None, :]
@@ -115,7 +140,18 @@ def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, n
         carry += tl.sum(h, axis=0)
     counts = tl.where(bins < num_groups, carry, 0)
     padded = (counts + TILE - 1) // TILE * TILE
-    # seg_start of the bins >= num_groups (padded 0) is the total of live rows: the scatter reads it there.
+    if BG == G_BINS:
+        # seg_start of the bins >= num_groups (padded 0) is the total of live rows: the scatter reads it there.
+        tl.store(seg_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
+    else:
+        tl.store(seg_start_ptr + bins, padded)
+
+
+@jit
+def _segments_prefix_kernel(seg_start_ptr, G_BINS: tl.constexpr):
+    """The padded counts in ``seg_start_ptr`` int32 [G_BINS] -> the segment starts (their exclusive scan)."""
+    bins = tl.arange(0, G_BINS)
+    padded = tl.load(seg_start_ptr + bins)
     tl.store(seg_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
 
 
@@ -175,7 +211,7 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
     bins = tl.arange(0, G_BINS)
     g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED, adapter_ptr, top_k,
                      num_experts, BY_ADAPTER)
-    hist = tl.histogram(g, G_BINS)
+    hist = _histogram(g, scratch_ptr + G_BINS, G_BINS, BISECT)  # the seg_start half counts, then is overwritten
     padded = (tl.where(bins < num_groups, hist, 0) + TILE - 1) // TILE * TILE
     seg_end = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
@@ -277,10 +313,11 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
         slot_to_row, row_to_slot, block_group, scratch = torch.empty(
             total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
+        bisect = g_bins > BISECT_BINS
         _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
                                          num_groups, rows, sizes[2], **adapters, TILE=tile, CHUNK=chunk,
-                                         G_BINS=g_bins, PACKED=packed, CB=max(1, 4096 // g_bins),
-                                         BISECT=g_bins > BISECT_BINS, num_warps=num_warps,
+                                         G_BINS=g_bins, PACKED=packed, CB=BISECT_CB if bisect else 4096 // g_bins,
+                                         BISECT=bisect, num_warps=num_warps,
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
         return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     device = values.device
@@ -288,20 +325,24 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk, warps = MAX_CHUNK, 4
     num_chunks = cdiv(n, chunk)
-    cb = max(1, 4096 // g_bins)
+    many = g_bins > BISECT_BINS  # the scan over BG bins a program, the atomic histogram and the bisection
+    bg = SCAN_BINS if many else g_bins
     scratch_size = 3 * num_chunks * g_bins + g_bins
     buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
     slot_to_row, row_to_slot, block_group, scratch = buf.split_with_sizes([n, rows, rows // tile, scratch_size])
     row_to_slot.fill_(-1)  # padding rows stay -1
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split_with_sizes([num_chunks * g_bins] * 3 + [g_bins])
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups, **adapters,
-                                          CHUNK=chunk, G_BINS=g_bins, PACKED=packed, num_warps=warps)
-    _segments_scan_kernel[(1,)](hist, chunk_base, seg_start, num_chunks, num_groups,
-                                TILE=tile, G_BINS=g_bins, CB=cb, num_warps=4)
+                                          CHUNK=chunk, G_BINS=g_bins, PACKED=packed, ATOMIC=many, num_warps=warps)
+    _segments_scan_kernel[(g_bins // bg,)](hist, chunk_base, seg_start, num_chunks, num_groups,
+                                           TILE=tile, G_BINS=g_bins, CB=max(1, 4096 // bg), BG=bg, num_warps=4)
+    if many:
+        _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8)
     num_blocks = rows // tile
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
-                                            G_BINS=g_bins, PACKED=packed, CB=cb, BISECT=g_bins > BISECT_BINS,
+                                            G_BINS=g_bins, PACKED=packed,
+                                            CB=BISECT_CB if many else max(1, 4096 // g_bins), BISECT=many,
                                             num_warps=warps)
     return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
