@@ -13,10 +13,13 @@ Triton launches instead of about two dozen small torch kernels; on the H200 the 
              and the group of its share of the tiles of rows
 
 Up to one chunk (1024 slots: every decode batch) a single program does all three steps, because on the H200
-each launch costs tens of microseconds of host time, more than the work.
+each launch costs tens of microseconds of host time, more than the work. Past ``BISECT_BINS`` bins (the LoRA
+groupings of 8 and more adapters) the steps take the ways that scale with the groups: atomic histograms, the scan
+in programs of ``SCAN_BINS`` bins and a fourth launch for the segment starts, the tile -> group map by bisection.
 
-Rows inside a group follow the slot (= token) order: deterministic, no atomics, no host sync. A slot whose
-``value - offset`` is outside ``[0, G)`` belongs to no group (row -1).
+The groups are ``value - offset`` (a slot outside ``[0, G)`` belongs to no group: row -1), or with ``adapter_ids``
+the (adapter, local expert) groups of :func:`moelab.permutation.adapter_expert_groups`, read from the ids in the
+kernels. Rows inside a group follow the slot (= token) order: deterministic (the atomics only count), no host sync.
 """
 
 from __future__ import annotations
