@@ -9,7 +9,8 @@
 #   old1 new1 ...  python -m moelab.bench --lora, the 8- and 32-adapter mixed banks (ranks 64/32/16/8) on
 #                  BENCH_SHAPES (default Qwen3-30B-A3B and OLMoE) at T = 32-4096, on OLD (old*) or HEAD (new*); each
 #                  process runs from its own tree (~50-70 s a shape)
-#   sweep          scripts/lora_delta_sweep.py at SWEEP_T (default 128,1024,4096), sweep32 the 32-adapter bank
+#   sweep          scripts/lora_delta_sweep.py at SWEEP_T (default 128,1024,4096), segment tiles SWEEP_TILES (default
+#                  16,32,64); sweep32 the 32-adapter bank
 #   cross          HEAD's two delta modes forced (flow-grouped, flow-per-slot), Qwen3 8 adapters, T = 128-1024
 #   segold segnew  scripts/segments_profile.py on OLD's or HEAD's moelab: each kernel of the segments by expert and
 #                  of the LoRA grouping of 8 and 32 adapters (Qwen3's 128 experts), T = SEG_T (default 1024,4096,16384)
@@ -34,7 +35,8 @@ for step in ${RUNS:-tests old1 new1 old2 new2 cross}; do
         --shape "${BENCH_SHAPES:-qwen3-30b-a3b;olmoe}" --tokens 32,128,1024,4096 --time-budget 210 --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1)
       echo "$step exit $? ($(cd "$root" && python3 -c "import moelab; print(moelab.__file__)" 2>&1 | tail -1))" ;;
-    sweep) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens "${SWEEP_T:-128,1024,4096}" | tee "$OUT/sweep.log" ;;
+    sweep) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens "${SWEEP_T:-128,1024,4096}" \
+      --tiles "${SWEEP_TILES:-16,32,64}" | tee "$OUT/sweep.log" ;;
     sweep32) PYTHONPATH=$PWD timeout 200 python3 scripts/lora_delta_sweep.py --tokens 1024 \
       --ranks "$(python3 -c "print(','.join(['64,32,16,8'] * 8))")" --tiles 16 | tee "$OUT/sweep32.log" ;;
     ncu*)  # each kernel of one eager call of the 8-adapter mixed bank at T = ${step#ncu}, Qwen3, under Nsight Compute
