@@ -243,7 +243,7 @@ def test_triton_deltas_read_each_adapter_only_to_its_own_rank(path, device):
     assert_close_to_reference(got2, ref2, torch.float32, "w2_lora_delta")
 
 
-@pytest.mark.parametrize("tiles", ["PER_SLOT_TILES", "GROUPED_TILES", "MANY_PROGRAMS_TILES", "MANY_SLOTS_W2_TILES"])
+@pytest.mark.parametrize("tiles", ["PER_SLOT_TILES", "GROUPED_TILES", "MANY_PROGRAMS_TILES", "MANY_W2_TILES"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-slot", "grouped"])
 def test_every_default_delta_tiles_matches_reference(tiles, grouped, device):
     # Each launch choose_delta_tiles can make, in both modes, on widths that take several K and N steps of each

@@ -190,19 +190,19 @@ GROUPED_TILES = DeltaTiles(128, 128)
 #: H200, Qwen3-30B-A3B with 8 adapters of ranks 64/32/16/8, 46-58 % of the DRAM peak at T = 128 and 1024). Per slot
 #: at T = 128 there (``scripts/lora_delta_sweep.py``, H100, 2026-12-06) the W13 delta took 119.9 µs at 64 / 128
 #: against 154.4 at 256 / 256, the W2 delta (one slice, D_out = H) 67.5 µs at 64 / 64 against 84.1.
+#: Grouped at T = 1024 (tiles of 16 rows, same sweep, H100, 2026-12-06): W13 149.8 µs at 64 / 128 (the best of 7),
+#: W2 104.4 at 64 / 64 against 116.2 at 64 / 128 (256 / 256: 101.6).
 MANY_PROGRAMS_TILES = DeltaTiles(64, 128)
-MANY_SLOTS_W2_TILES = DeltaTiles(64, 64)
+MANY_W2_TILES = DeltaTiles(64, 64)
 MANY_SLOTS = 512
 
 
 def choose_delta_tiles(num_slots: int, segments: Segments | None, num_slices: int) -> DeltaTiles:
     """The default launch of :func:`lora_shrink_expand_triton` (see the constants above); ``num_slices`` 2 is the
     W13 delta, 1 the W2 delta."""
-    if segments is None:
-        if num_slots < MANY_SLOTS:
-            return PER_SLOT_TILES
-        return MANY_PROGRAMS_TILES if num_slices == 2 else MANY_SLOTS_W2_TILES
-    return MANY_PROGRAMS_TILES if segments.tile <= 32 else GROUPED_TILES
+    if (segments is None and num_slots < MANY_SLOTS) or (segments is not None and segments.tile > 32):
+        return PER_SLOT_TILES if segments is None else GROUPED_TILES
+    return MANY_PROGRAMS_TILES if num_slices == 2 else MANY_W2_TILES
 
 
 def lora_shrink_expand_triton(x: torch.Tensor, a_banks: list[torch.Tensor], b_banks: list[torch.Tensor],
