@@ -36,9 +36,9 @@ from moelab.permutation import Segments, adapter_expert_groups, build_segments, 
 
 #: Groups the programs hold as one vector (the LoRA grouping is adapters x experts + 1: 32 adapters of 128 experts
 #: are 4097); beyond: torch path (about 70 small launches and a radix sort). At 1025 groups and 8192 slots (8
-#: adapters, Qwen3-30B-A3B, T = 1024) the torch path read 263 µs of GPU time under Nsight Compute (H200) and 679 µs
-#: eagerly (``do_bench``, H100), these kernels 181 µs (H100): their tile -> group map is a vector compare over every
-#: group for every tile (``_store_block_groups``), the next thing to make cheaper.
+#: adapters, Qwen3-30B-A3B, T = 1024) the torch path read 263 µs of GPU time under Nsight Compute (H200) and 659 µs
+#: eagerly (``do_bench``, H100); these kernels 16.5 µs of GPU time (``scripts/segments_profile.py``, H100), 22.5 at
+#: 4097 groups.
 MAX_GROUPS = 8191
 #: Above this many bins (groups + 1, a power of two: the LoRA groupings of 8 or more adapters; the experts of a
 #: routed MoE stay below) the kernels take the ways that scale with the groups: the histogram by atomics, the scan
