@@ -403,6 +403,16 @@ def test_segments_by_adapter_follow_their_definition(T, K, E_local, L, offset, d
         assert torch.equal(getattr(got, name).cpu(), getattr(want_seg, name)), name
 
 
+def test_segments_by_adapter_reject_mismatched_sizes():
+    from moelab.kernels.segments import build_segments_triton
+
+    ids = torch.zeros(10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="adapter_ids: expected one id per token"):
+        build_segments_triton(ids, 2 * 4 + 1, 16, adapter_ids=torch.zeros(3, dtype=torch.int32), num_experts=4)
+    with pytest.raises(ValueError, match="num_groups = adapters"):
+        build_segments_triton(ids, 2 * 4, 16, adapter_ids=torch.zeros(5, dtype=torch.int32), num_experts=4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_routing_weights(backend, device):
     # The caller's (ids, weights) may be a transposed view: the kernels must not assume its strides.

@@ -1,7 +1,8 @@
 """vLLM's unfused MoE-LoRA flow (``TrtLlmBf16LoRAExperts.apply``) on any backend's ``routed_moe``: the one
 implementation of ``lora_experts`` every backend falls back on.
 
-    pack routing -> [no adapter in the batch: the finalized base MoE straight into ``output``]
+    pack routing (the triton backend: the ids and bf16 weights the words decode to)
+    -> [no adapter in the batch: the finalized base MoE straight into ``output``]
     W13 delta [T,K,2I] in [up, gate] order -> routed MoE, unfinalized (gemm2 [R2,H], act [R1,I], map [T*K])
     -> unpermute act to [T*K, I] (non-local rows zero) -> W2 delta [T,K,H], weighted -> one fused finalize
 

@@ -301,6 +301,10 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     by_adapter = adapter_ids is not None
     if by_adapter:
         adapter_ids = adapter_ids.contiguous()  # read by token index
+        if n % max(adapter_ids.numel(), 1) or num_experts is None or (num_groups - 1) % num_experts:
+            raise ValueError(f"adapter_ids: expected one id per token of values' {n} slots ({adapter_ids.numel()} "
+                             f"given) and num_groups = adapters * num_experts + 1 ({num_groups} groups, "
+                             f"num_experts {num_experts})")
     top_k = n // max(adapter_ids.numel(), 1) if by_adapter else 1
     experts = num_experts if by_adapter else 1
     if n == 0 or num_groups > MAX_GROUPS:
