@@ -401,6 +401,12 @@ def test_segments_by_adapter_follow_their_definition(T, K, E_local, L, offset, d
                                 num_experts=E_local)
     for name in ("slot_to_row", "row_to_slot", "block_group"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want_seg, name)), name
+    # the caller's ids as strided views (every other column of a wider tensor, the adapters of every other token)
+    wide_ids = torch.stack([topk_ids, topk_ids + 1], dim=2).flatten(1).to(device)
+    wide_lora = torch.stack([lora_ids, lora_ids], dim=1).flatten().to(device)
+    got = build_segments_triton(wide_ids[:, ::2], L * E_local + 1, 16, offset, adapter_ids=wide_lora[::2],
+                                num_experts=E_local)
+    assert torch.equal(got.slot_to_row.cpu(), want_seg.slot_to_row)
 
 
 def test_segments_by_adapter_reject_mismatched_sizes():

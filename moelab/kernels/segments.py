@@ -284,7 +284,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                           packed: bool = False, adapter_ids: torch.Tensor | None = None,
                           num_experts: int | None = None, pdl: dict | None = None) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in one Triton launch up to
-    ``MAX_CHUNK`` slots, else three.
+    ``MAX_CHUNK`` slots, else three (four past ``BISECT_BINS`` bins).
 
     Args:
         values: int32/int64 [N] (e.g. flattened global expert ids, ``offset`` the EP window's first id), or
@@ -301,6 +301,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     by_adapter = adapter_ids is not None
     if by_adapter:
         adapter_ids = adapter_ids.contiguous()  # read by token index
+        values = values.contiguous()  # the caller's topk_ids may be a strided view (flatten keeps it one)
         if n % max(adapter_ids.numel(), 1) or num_experts is None or (num_groups - 1) % num_experts:
             raise ValueError(f"adapter_ids: expected one id per token of values' {n} slots ({adapter_ids.numel()} "
                              f"given) and num_groups = adapters * num_experts + 1 ({num_groups} groups, "
