@@ -83,7 +83,7 @@ def _store_block_groups(block_group_ptr, seg_start_ptr, seg_end, bins, num_group
         blocks = b0 + tl.arange(0, CB)
         if BISECT:
             group = tl.zeros((CB,), dtype=tl.int32)  # segments found to end at or before the tile
-            for i in tl.static_range(14):  # steps G_BINS / 2, ..., 1 (G_BINS <= 2 * MAX_GROUPS + 2 = 2**14)
+            for i in tl.static_range(14):  # steps G_BINS / 2, ..., 1 (G_BINS <= next_pow2(MAX_GROUPS + 1) = 2**13)
                 if (G_BINS >> (i + 1)) > 0:
                     cand = group + (G_BINS >> (i + 1))
                     end = tl.load(seg_start_ptr + cand, mask=cand <= num_groups, other=0)  # end of group cand - 1
@@ -209,7 +209,7 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
                        CB: tl.constexpr, adapter_ptr=None, top_k=1, num_experts=1, BY_ADAPTER: tl.constexpr = False,
                        BISECT: tl.constexpr = False):
     """All of the segments of up to CHUNK slots in one program (see :func:`plan_one_chunk` for the arguments;
-    ``scratch_ptr`` int32 [2 * G_BINS])."""
+    ``scratch_ptr`` int32 [G_BINS], [2 * G_BINS] with BISECT)."""
     lane = tl.arange(0, CHUNK)
     bins = tl.arange(0, G_BINS)
     g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED, adapter_ptr, top_k,
@@ -280,6 +280,13 @@ def _one_chunk_layout(n: int, num_groups: int, tile: int) -> tuple[tuple[int, ..
     return sizes, sum(sizes), rows, chunk, g_bins, 4 if chunk > 256 else 2
 
 
+def _block_group_map(g_bins: int) -> dict:
+    """The tile -> group map's constexprs (:func:`_store_block_groups`): bisection BISECT_CB tiles at a time past
+    BISECT_BINS bins, else a compare of CB tiles with every bin (CB * G_BINS = 4096 elements a step)."""
+    bisect = g_bins > BISECT_BINS
+    return dict(CB=BISECT_CB if bisect else 4096 // g_bins, BISECT=bisect)
+
+
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
                           packed: bool = False, adapter_ids: torch.Tensor | None = None,
                           num_experts: int | None = None, pdl: dict | None = None) -> Segments:
@@ -299,6 +306,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     values = values.flatten()
     n = values.numel()
     by_adapter = adapter_ids is not None
+    top_k, experts = 1, 1
     if by_adapter:
         adapter_ids = adapter_ids.contiguous()  # read by token index
         values = values.contiguous()  # the caller's topk_ids may be a strided view (flatten keeps it one)
@@ -306,8 +314,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
             raise ValueError(f"adapter_ids: expected one id per token of values' {n} slots ({adapter_ids.numel()} "
                              f"given) and num_groups = adapters * num_experts + 1 ({num_groups} groups, "
                              f"num_experts {num_experts})")
-    top_k = n // max(adapter_ids.numel(), 1) if by_adapter else 1
-    experts = num_experts if by_adapter else 1
+        top_k, experts = n // max(adapter_ids.numel(), 1), num_experts
     if n == 0 or num_groups > MAX_GROUPS:
         ids = ((values >> 16) if packed else values).long()
         if by_adapter:
@@ -321,11 +328,10 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
         slot_to_row, row_to_slot, block_group, scratch = torch.empty(
             total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
-        bisect = g_bins > BISECT_BINS
         _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
                                          num_groups, rows, sizes[2], **adapters, TILE=tile, CHUNK=chunk,
-                                         G_BINS=g_bins, PACKED=packed, CB=BISECT_CB if bisect else 4096 // g_bins,
-                                         BISECT=bisect, num_warps=num_warps,
+                                         G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
+                                         num_warps=num_warps,
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
         return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     device = values.device
@@ -333,7 +339,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk, warps = MAX_CHUNK, 4
     num_chunks = cdiv(n, chunk)
-    many = g_bins > BISECT_BINS  # the scan over BG bins a program, the atomic histogram and the bisection
+    many = g_bins > BISECT_BINS  # the scan over BG bins a program and the atomic histogram (the map: below)
     bg = SCAN_BINS if many else g_bins
     scratch_size = 3 * num_chunks * g_bins + g_bins
     buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
@@ -350,7 +356,6 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
-                                            G_BINS=g_bins, PACKED=packed,
-                                            CB=BISECT_CB if many else max(1, 4096 // g_bins), BISECT=many,
+                                            G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
                                             num_warps=warps)
     return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
