@@ -271,6 +271,7 @@ def measure(shape: str, T: int, a) -> None:
         prof = cProfile.Profile()
         prof.runcall(lambda: [call() for _ in range(a.profile)])
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
 
 
 def main() -> None:
@@ -281,7 +282,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--activation", default="silu", help="the experts' activation (prepare_weights)")
     p.add_argument("--bias", action="store_true", help="GEMM1 and GEMM2 biases")
-    p.add_argument("--profile", type=int, default=0, help="also N calls under cProfile, by own time")
+    p.add_argument("--profile", type=int, default=0, help="also N calls under cProfile, by own and cumulative time")
     p.add_argument("--launches", help="CPU: write what Triton's run was asked to launch to this JSON file")
     p.add_argument("--lora", help="LoRAExperts with one adapter of each rank of this comma list (e.g. 16)")
     p.add_argument("--stub-replays", action="store_true", help="CPU: eager calls of T <= 32 take the CUDA-graph "

@@ -28,6 +28,7 @@ def graphs(monkeypatch):
     monkeypatch.setattr(eager_graphs, "_pools", {})
     monkeypatch.setattr(eager_graphs, "IN_PLACE", False)  # the copies, whatever MOELAB_EAGER_GRAPHS_IN_PLACE says
     monkeypatch.setattr(eager_graphs, "_sightings", {})
+    monkeypatch.setattr(eager_graphs, "_repeats", set())
     monkeypatch.setattr(eager_graphs, "_in_place", {})
     monkeypatch.setattr(eager_graphs, "_evictions", {})
     yield eager_graphs._graphs
@@ -323,13 +324,15 @@ def test_modules_sharing_weights_with_other_banks_or_paths_get_graphs_of_their_o
 
 
 @needs_cuda
-def test_lora_calls_keep_their_launches_above_max_tokens_and_under_a_callers_capture(graphs):
+def test_lora_calls_keep_their_launches_above_max_lora_tokens_and_under_a_callers_capture(graphs, monkeypatch):
+    monkeypatch.setattr(eager_graphs, "MAX_LORA_TOKENS", eager_graphs.MAX_TOKENS + 8)  # small tensors, same rule
     experts, w13, w2, bank = _lora_module(None)
-    x, w, ids, lora_ids = _lora_inputs(0, eager_graphs.MAX_TOKENS + 1, bank.max_loras)
-    out = _lora_call(experts, x, w, ids, lora_ids)
-    assert not graphs
+    x, w, ids, lora_ids = _lora_inputs(0, eager_graphs.MAX_LORA_TOKENS + 1, bank.max_loras)
+    for _ in range(3):
+        out = _lora_call(experts, x, w, ids, lora_ids)
+    assert not graphs and not eager_graphs._in_place
     assert_close_to_reference(out, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
-                              torch.bfloat16, "T > MAX_TOKENS")
+                              torch.bfloat16, "T > MAX_LORA_TOKENS")
     x, w, ids, lora_ids = _lora_inputs(1, T, bank.max_loras)
     _lora_call(experts, x, w, ids, lora_ids)  # compiles the kernels (and captures one replay graph)
     graph = torch.cuda.CUDAGraph()
@@ -340,6 +343,50 @@ def test_lora_calls_keep_their_launches_above_max_tokens_and_under_a_callers_cap
     graph.replay()
     assert_close_to_reference(captured, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
                               torch.bfloat16, "caller's graph")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fused, ranks", [(False, (16, 8)), (None, (16, 8)), (None, WIDE)])
+def test_lora_calls_past_max_tokens_replay_from_their_keys_second_call(graphs, fused, ranks):
+    """Past ``MAX_TOKENS``: the first call of a key runs its launches (no graph), the second captures, the later
+    ones replay; each with fresh inputs against the float64 reference, every element written (the graph's output
+    poisoned before each call), and a replay of the first call's inputs gives the launches' bits (vLLM's flow and
+    the fused tiles' GEMMs; the fused W2 shrink sums with fp32 atomics, so there the last bit may differ)."""
+    experts, w13, w2, bank = _lora_module(fused, ranks)
+    T_ = eager_graphs.MAX_TOKENS + 1
+    first = None
+    for seed in range(4):
+        x, w, ids, lora_ids = _lora_inputs(seed, T_, bank.max_loras)
+        for entry in graphs.values():
+            poison(entry.out)
+        out = _lora_call(experts, x, w, ids, lora_ids)
+        assert len(graphs) == (seed > 0), seed  # no graph after the first call; one from the second on
+        ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)
+        assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test"
+        assert_close_to_reference(out, ref["output"], torch.bfloat16, f"seed {seed}")
+        first = first or (x, w, ids, lora_ids, out)
+    x, w, ids, lora_ids, launched = first
+    replayed = _lora_call(experts, x, w, ids, lora_ids)
+    if fused is False:
+        assert torch.equal(replayed, launched)
+    else:
+        assert_close_to_reference(replayed, launched.double(), torch.bfloat16, "replay of the first call")
+
+
+def test_a_lora_key_past_max_tokens_replays_from_its_second_call():
+    """The rule alone, on any machine: a key seen once replays at its next call; one with a graph always; a key is
+    forgotten by ``clear``."""
+    eager_graphs.clear()
+    try:
+        assert not eager_graphs._came_back(("a",))
+        assert not eager_graphs._came_back(("b",))
+        assert eager_graphs._came_back(("a",))  # its second call: captures
+        eager_graphs._graphs["a",] = None
+        assert eager_graphs._came_back(("a",)) and eager_graphs._came_back(("a",))
+        eager_graphs.clear()
+        assert not eager_graphs._came_back(("a",))
+    finally:
+        eager_graphs.clear()
 
 
 def test_the_backend_weighs_a_lora_calls_eager_launches():

@@ -13,14 +13,18 @@ replays it, so every call of a key, the first included, computes the same bits: 
 graph (the tiled GEMMs chained by PDL, or the token-major ones where ``takes_token_major`` says so while
 capturing), which agree with the eager kernels to rounding only.
 
-``LoRAExperts`` calls on the triton backend replay the same way (:func:`takes_lora`, :func:`run_lora`): their
-inputs are x, the ids, the weights and the adapter ids, each copied into a buffer of the caller's dtype, and the
-graph holds the launches the backend's rule picks for the call while capturing (in a graph mostly the fused decode
-kernels or tiles; the token-major kernels only at T = 1 with large experts or when forced; the adapter loop or
-vLLM's flow for wide banks), so each call computes the bits of that path in a CUDA graph. Their key adds the dtypes of
-those inputs, whether the batch has adapters, the path options, and each tensor of the bank (and of the module's
-bank) by address, shape and dtype, its rank table too: ``LoRABank.set`` writes a slot in place and is read by the
-next replay; an assigned ``bank.ranks`` reaches the table at the next call, as on the launches.
+``LoRAExperts`` calls on the triton backend replay the same way (:func:`takes_lora`, :func:`run_lora`): their inputs
+are x, the ids, the weights and the adapter ids, each copied into a buffer of the caller's dtype, and the graph
+holds the launches the backend's rule picks for the call while capturing (in a graph mostly the fused decode kernels
+or tiles; the token-major kernels only at T = 1 with large experts or when forced; the adapter loop or vLLM's flow
+for wide banks), so each call computes the bits of that path in a CUDA graph. Past ``MAX_TOKENS`` tokens, up to
+``MAX_LORA_TOKENS``, a LoRA call replays from the second call of its key on: the first runs its launches, so a size
+that comes once captures nothing, and both run the same kernels on the same values (no path rule reads a capture
+there; PDL only lets a kernel start early and wait for its inputs). A wide bank's flow runs 7-13 launches there,
+whose host time outweighs the GPU's work up to ~1024 tokens. Their key adds the dtypes of those inputs, whether the
+batch has adapters, the path options, and each tensor of the bank (and of the module's bank) by address, shape and
+dtype, its rank table too: ``LoRABank.set`` writes a slot in place and is read by the next replay; an assigned
+``bank.ranks`` reaches the table at the next call, as on the launches.
 
 The key is everything the captured launches read by address or by value: the current stream (graphs of one
 stream share one memory pool, and a stream runs its replays one after the other, so their intermediates may share
@@ -49,7 +53,8 @@ thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, th
 :func:`clear` so the next call captures the new path.
 
 Not taken (the call runs its launches as before): experts expected to weigh more than ``MAX_BYTES_PER_LAUNCH`` per
-eager launch (the GPU's work hides the launches there), T above ``MAX_TOKENS`` or 0, an ``output`` not asked for
+eager launch (the GPU's work hides the launches there), T above ``MAX_TOKENS`` (``LoRAExperts``: the first call of
+a key past it, and any above ``MAX_LORA_TOKENS``) or 0, an ``output`` not asked for
 alone (``do_finalize=False`` or a delta: the permuted intermediates would be the graph's), a tile ``config``
 forced, CPU tensors, a tensor on a device other than the current one, while a graph is captured or
 ``torch.compile`` traces, inputs that require grad, inference mode switched since the capture (part of the key),
@@ -70,12 +75,19 @@ from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall
 from moelab.lora import LoRABank
 
 __all__ = ["takes", "takes_lora", "expected_touched_experts", "key", "lora_key", "run", "run_lora", "clear", "held",
-           "MAX_TOKENS", "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
+           "MAX_TOKENS", "MAX_LORA_TOKENS", "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
-#: Largest T replayed from a graph (calls above run their launches eagerly).
+#: Largest T replayed from a graph (calls above run their launches eagerly; ``LoRAExperts``: ``MAX_LORA_TOKENS``).
 MAX_TOKENS = 32
+#: ``LoRAExperts`` calls of more than ``MAX_TOKENS`` tokens, up to this many, replay too, from the second call of
+#: their key on: the first runs its launches, so a size that comes once (a prompt's prefill) captures nothing. A
+#: wide bank's flow runs 7-13 launches there, and their host time outweighs the GPU's work: on an H100, eager calls
+#: of 8 adapters (ranks 64/32/16/8) at Qwen3-30B-A3B T = 128 and 1024 took 850 and 1144-1321 µs of host time
+#: against 600 and 794 µs in a CUDA graph (``scripts/host_time.py``, BENCHMARKS.md "Eager LoRA calls past 32
+#: tokens"). Above 32 tokens no path rule reads whether a graph is captured: the replay runs the launches' kernels.
+MAX_LORA_TOKENS = 1024
 #: Largest expected bytes of touched experts (:func:`expected_touched_experts` x one expert's bytes) replayed from
 #: a graph, per launch the call would run eagerly (2 on the token-major path, 4 on the tiled one): what the H200
 #: streams (3.5 TB/s) in the ~85 µs of host time one launch costs a slow process. Past it the GPU's work hides the
@@ -104,6 +116,7 @@ MAX_SIGHTINGS = 4096
 
 _graphs: dict[tuple, _Entry] = {}
 _sightings: dict[tuple, int] = {}  # (key, addresses) -> calls seen at those addresses without a graph
+_repeats: set[tuple] = set()  # keys of LoRA calls past MAX_TOKENS seen once, without a graph yet
 _in_place: dict[tuple, dict[tuple, _Entry]] = {}  # key -> addresses -> graph, least recently replayed first
 _evictions: dict[tuple, int] = {}  # key -> in-place graphs it lost to the budgets
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
@@ -119,10 +132,12 @@ class _Entry:
         self.graph, self.inputs, self.out = graph, inputs, out
 
 
-def _replayable(x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...]) -> bool:
-    """The checks every replayed call passes: CUDA inputs of at most ``MAX_TOKENS`` tokens on the current device,
-    none requiring grad, no capture on this thread, replays on, not under ``torch.compile``."""
-    if not ENABLED or torch.compiler.is_compiling() or not x.is_cuda or not 0 < x.shape[0] <= MAX_TOKENS:
+def _replayable(x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], max_tokens: int | None = None) -> bool:
+    """The checks every replayed call passes: CUDA inputs of at most ``max_tokens`` (None: ``MAX_TOKENS``) tokens
+    on the current device, none requiring grad, no capture on this thread, replays on, not under
+    ``torch.compile``."""
+    max_tokens = MAX_TOKENS if max_tokens is None else max_tokens
+    if not ENABLED or torch.compiler.is_compiling() or not x.is_cuda or not 0 < x.shape[0] <= max_tokens:
         return False
     if any(t is not None and (t.requires_grad or not t.is_cuda) for t in inputs):
         return False
@@ -151,11 +166,28 @@ def takes(call: RoutedMoECall, eager_cost: Callable[[RoutedMoECall], tuple[int, 
 
 def takes_lora(call: LoRAExpertsCall, eager_cost: Callable[[LoRAExpertsCall], tuple[int, int]]) -> bool:
     """Whether a backend's ``lora_experts`` call runs as a graph replay: as :func:`takes` says for the base call, a
-    bank with it or not (the bank's tensors, like the weights, are read where they live)."""
+    bank with it or not (the bank's tensors, like the weights, are read where they live); past ``MAX_TOKENS``
+    tokens, up to ``MAX_LORA_TOKENS``, from the second call of its key on."""
     x = call.hidden_states
-    if not _replayable(x, (x, call.topk_ids, call.topk_weights, call.lora_ids, call.output)):
+    if not _replayable(x, (x, call.topk_ids, call.topk_weights, call.lora_ids, call.output), MAX_LORA_TOKENS):
         return False
-    return _within_bound(x.shape[0], call.top_k, call.num_experts, call.weights.num_local_experts, eager_cost(call))
+    if not _within_bound(x.shape[0], call.top_k, call.num_experts, call.weights.num_local_experts, eager_cost(call)):
+        return False
+    return x.shape[0] <= MAX_TOKENS or _came_back(lora_key(call, torch.cuda.current_stream(x.device)))
+
+
+def _came_back(entry_key: tuple) -> bool:
+    """Whether a call of ``entry_key`` replays where only a repeated key does: its key holds a graph, or came once
+    before (this call captures it)."""
+    if entry_key in _graphs or entry_key in _in_place:
+        return True
+    if entry_key in _repeats:
+        _repeats.discard(entry_key)
+        return True
+    if len(_repeats) >= MAX_SIGHTINGS:
+        _repeats.clear()
+    _repeats.add(entry_key)
+    return False
 
 
 def expected_touched_experts(T: int, K: int, num_experts: int, num_local_experts: int) -> float:
@@ -371,6 +403,7 @@ def clear() -> None:
     _graphs.clear()
     _pools.clear()
     _sightings.clear()
+    _repeats.clear()
     _in_place.clear()
     _evictions.clear()
 
