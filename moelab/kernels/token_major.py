@@ -413,10 +413,11 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         if lora_ids is not None and not lora_ids.is_contiguous():
             raise ValueError("lora_ids: expected a contiguous int [T] tensor; pass lora_ids.contiguous()")
         r_pad = own_rank_pad(bank)
-        shrink = {}  # GEMM1's own shrink programs (none without an adapter)
-        if lora_ids is None:  # no adapter: rank vectors never read
+        if lora_ids is None:  # no adapter: rank vectors never read, no shrink programs (the flags are never waited
+            # on, but GEMM1's code names them: a None pointer does not compile)
             lora_ids = torch.full((T,), -1, dtype=torch.int32, device=x.device)
             s13, s2 = (torch.empty(0, dtype=d, device=x.device) for d in (x.dtype, torch.float32))
+            shrink = dict(flags_ptr=_slot_flags(x.device, T * K))
         else:
             s13 = fused_lora.scratch((T * K, 2, r_pad), x.dtype, x.device)  # [up | gate]
             s2 = fused_lora.scratch((T * K, r_pad), torch.float32, x.device)
