@@ -82,11 +82,13 @@ class _StubCompiledKernel:
 def _stub_triton() -> None:
     """Replace what a CPU cannot run: Triton's dispatch and compile (``JITFunction.run``), the current CUDA device
     that ``CachedLaunchJIT`` keys launches on, the device limits the tile choice reads (an H200's), and the
-    triton backend's availability check (CPU tensors are not interpreted here)."""
+    triton backend's availability check and moelab's (CPU tensors are not interpreted here: the LoRA deltas, the
+    unpermute and the finalize of vLLM's flow take their Triton kernels, as on a GPU)."""
     import inspect
 
     from triton.runtime import JITFunction
 
+    from moelab import _runtime
     from moelab.backends import triton_backend
     from moelab.kernels import launch, moe_gemm
 
@@ -109,6 +111,7 @@ def _stub_triton() -> None:
     h200 = moe_gemm.DeviceLimits((9, 0), 232448)
     moe_gemm.device_limits = lambda device: h200
     triton_backend.unavailable_reason = lambda device: None
+    _runtime.triton_can_run = lambda device: True
 
 
 def _stub_replays() -> None:

@@ -1,10 +1,13 @@
 """Eager decode calls replayed from CUDA graphs (``moelab/backends/eager_graphs.py``): every replay against the
 float64 reference with fresh inputs, every element of the output written, outputs of their own, one graph per key.
 
-The replays need a CUDA GPU (the lent H200 runs them); on a CPU only the rule that nothing is replayed there runs.
+The replays need a CUDA GPU (the lent H200 runs them); on a CPU the rules run: nothing is replayed there, and which
+LoRA keys past ``MAX_TOKENS`` capture.
 """
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -373,20 +376,49 @@ def test_lora_calls_past_max_tokens_replay_from_their_keys_second_call(graphs, f
         assert_close_to_reference(replayed, launched.double(), torch.bfloat16, "replay of the first call")
 
 
-def test_a_lora_key_past_max_tokens_replays_from_its_second_call():
+def _lora_key(T_, name="a"):
+    """A stand-in for ``eager_graphs.lora_key``: what the rule reads of it (the tag and x's shape) and a name."""
+    return ("lora", 0, torch.Size([T_, H]), name)
+
+
+def test_a_lora_key_past_max_tokens_replays_from_its_second_call(graphs):
     """The rule alone, on any machine: a key seen once replays at its next call; one with a graph always; a key is
     forgotten by ``clear``."""
+    T_ = eager_graphs.MAX_TOKENS + 1
+    assert not eager_graphs._came_back(_lora_key(T_, "a"))
+    assert not eager_graphs._came_back(_lora_key(T_, "b"))
+    assert eager_graphs._came_back(_lora_key(T_, "a"))  # its second call: captures
+    graphs[_lora_key(T_, "a")] = None
+    assert eager_graphs._came_back(_lora_key(T_, "a")) and eager_graphs._came_back(_lora_key(T_, "a"))
     eager_graphs.clear()
-    try:
-        assert not eager_graphs._came_back(("a",))
-        assert not eager_graphs._came_back(("b",))
-        assert eager_graphs._came_back(("a",))  # its second call: captures
-        eager_graphs._graphs["a",] = None
-        assert eager_graphs._came_back(("a",)) and eager_graphs._came_back(("a",))
-        eager_graphs.clear()
-        assert not eager_graphs._came_back(("a",))
-    finally:
-        eager_graphs.clear()
+    assert not eager_graphs._came_back(_lora_key(T_, "a"))
+
+
+def test_no_new_lora_key_past_max_tokens_captures_beyond_the_token_budget(graphs, monkeypatch):
+    """Keys past ``MAX_TOKENS`` that hold graphs count their tokens; a new key that would take the sum past
+    ``MAX_LORA_GRAPH_TOKENS`` keeps its launches; base keys and keys of at most ``MAX_TOKENS`` do not count."""
+    small = eager_graphs.MAX_TOKENS
+    monkeypatch.setattr(eager_graphs, "MAX_LORA_GRAPH_TOKENS", 100)
+    graphs[_lora_key(60, "held")] = None
+    graphs[_lora_key(small, "small")] = None
+    graphs[(0, torch.Size([500, H]), "base")] = None
+    eager_graphs._in_place[_lora_key(small, "small in place")] = {}
+    for _ in range(3):
+        assert not eager_graphs._came_back(_lora_key(41, "over"))  # 60 + 41 > 100
+    assert not eager_graphs._came_back(_lora_key(40, "fits"))
+    assert eager_graphs._came_back(_lora_key(40, "fits"))  # 60 + 40 = 100
+    graphs[_lora_key(40, "fits")] = None
+    assert eager_graphs._came_back(_lora_key(60, "held"))  # a key that holds its graph keeps replaying
+    eager_graphs._in_place[_lora_key(33, "in place")] = {}
+    assert eager_graphs._large_tokens_held() == 133
+    # the stand-in keys are laid out as lora_key's: its tag first, x's shape third
+    w13, w2 = random_experts(E, H, I, torch.bfloat16)
+    bank = moelab.LoRABank(2, E, H, I, 16)
+    x, w, ids, lora_ids = _lora_inputs(0, 41, bank.max_loras, device="cpu")
+    W = moelab.prepare_weights(w13, w2, backend="torch")
+    call = LoRAExpertsCall(x, ids, w, W, E, K, 0, torch.empty_like(x), bank, lora_ids, False, None, bank)
+    key = eager_graphs.lora_key(call, types.SimpleNamespace(cuda_stream=0))
+    assert key[0] == "lora" and eager_graphs._tokens(key) == 41
 
 
 def test_the_backend_weighs_a_lora_calls_eager_launches():

@@ -54,7 +54,8 @@ thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, th
 
 Not taken (the call runs its launches as before): experts expected to weigh more than ``MAX_BYTES_PER_LAUNCH`` per
 eager launch (the GPU's work hides the launches there), T above ``MAX_TOKENS`` (``LoRAExperts``: the first call of
-a key past it, and any above ``MAX_LORA_TOKENS``) or 0, an ``output`` not asked for
+a key past it, any above ``MAX_LORA_TOKENS``, and new keys past it once those holding graphs sum to
+``MAX_LORA_GRAPH_TOKENS`` tokens) or 0, an ``output`` not asked for
 alone (``do_finalize=False`` or a delta: the permuted intermediates would be the graph's), a tile ``config``
 forced, CPU tensors, a tensor on a device other than the current one, while a graph is captured or
 ``torch.compile`` traces, inputs that require grad, inference mode switched since the capture (part of the key),
@@ -75,7 +76,7 @@ from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall
 from moelab.lora import LoRABank
 
 __all__ = ["takes", "takes_lora", "expected_touched_experts", "key", "lora_key", "run", "run_lora", "clear", "held",
-           "MAX_TOKENS", "MAX_LORA_TOKENS", "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
+           "MAX_TOKENS", "MAX_LORA_TOKENS", "MAX_LORA_GRAPH_TOKENS", "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
@@ -88,6 +89,10 @@ MAX_TOKENS = 32
 #: against 600 and 794 µs in a CUDA graph (``scripts/host_time.py``, BENCHMARKS.md "Eager LoRA calls past 32
 #: tokens"). Above 32 tokens no path rule reads whether a graph is captured: the replay runs the launches' kernels.
 MAX_LORA_TOKENS = 1024
+#: Tokens summed over the keys past ``MAX_TOKENS`` that hold graphs, beyond which no further such key captures (its
+#: calls run their launches): each holds T-row input and output buffers (8 KiB a token at H = 2048 in bf16, 512 MiB
+#: here) and its share of the pool, and a model's layers each have keys of their own.
+MAX_LORA_GRAPH_TOKENS = 65536
 #: Largest expected bytes of touched experts (:func:`expected_touched_experts` x one expert's bytes) replayed from
 #: a graph, per launch the call would run eagerly (2 on the token-major path, 4 on the tiled one): what the H200
 #: streams (3.5 TB/s) in the ~85 µs of host time one launch costs a slow process. Past it the GPU's work hides the
@@ -177,10 +182,13 @@ def takes_lora(call: LoRAExpertsCall, eager_cost: Callable[[LoRAExpertsCall], tu
 
 
 def _came_back(entry_key: tuple) -> bool:
-    """Whether a call of ``entry_key`` replays where only a repeated key does: its key holds a graph, or came once
-    before (this call captures it)."""
+    """Whether a call of ``entry_key`` (:func:`lora_key`) replays where only a repeated key does: its key holds a
+    graph, or came once before (this call captures it) and the keys past ``MAX_TOKENS`` that hold graphs stay
+    within ``MAX_LORA_GRAPH_TOKENS`` with it."""
     if entry_key in _graphs or entry_key in _in_place:
         return True
+    if _large_tokens_held() + _tokens(entry_key) > MAX_LORA_GRAPH_TOKENS:
+        return False
     if entry_key in _repeats:
         _repeats.discard(entry_key)
         return True
@@ -188,6 +196,17 @@ def _came_back(entry_key: tuple) -> bool:
         _repeats.clear()
     _repeats.add(entry_key)
     return False
+
+
+def _tokens(entry_key: tuple) -> int:
+    """T of a :func:`lora_key` (its third item is x's shape)."""
+    return entry_key[2][0]
+
+
+def _large_tokens_held() -> int:
+    """Tokens summed over the LoRA keys past ``MAX_TOKENS`` that hold a copy graph or in-place graphs."""
+    keys = set(_graphs) | set(_in_place)
+    return sum(_tokens(k) for k in keys if k[0] == "lora" and _tokens(k) > MAX_TOKENS)
 
 
 def expected_touched_experts(T: int, K: int, num_experts: int, num_local_experts: int) -> float:
