@@ -394,12 +394,14 @@ def test_a_lora_key_past_max_tokens_replays_from_its_second_call(graphs):
     assert not eager_graphs._came_back(_lora_key(T_, "a"))
 
 
-def test_no_new_lora_key_past_max_tokens_captures_beyond_the_token_budget(graphs, monkeypatch):
-    """Keys past ``MAX_TOKENS`` that hold graphs count their tokens; a new key that would take the sum past
-    ``MAX_LORA_GRAPH_TOKENS`` keeps its launches; base keys and keys of at most ``MAX_TOKENS`` do not count."""
+def test_no_new_lora_key_past_max_tokens_captures_beyond_the_budgets(graphs, monkeypatch):
+    """Keys past ``MAX_TOKENS`` that hold graphs (copy or in-place, counted once) count against
+    ``MAX_LORA_GRAPH_TOKENS`` and ``MAX_LORA_GRAPH_KEYS``; a new key past either keeps its launches, asked again at
+    each call; base keys and keys of at most ``MAX_TOKENS`` do not count."""
     small = eager_graphs.MAX_TOKENS
     monkeypatch.setattr(eager_graphs, "MAX_LORA_GRAPH_TOKENS", 100)
     graphs[_lora_key(60, "held")] = None
+    eager_graphs._in_place[_lora_key(60, "held")] = {}  # a key with both kinds of graph counts once
     graphs[_lora_key(small, "small")] = None
     graphs[(0, torch.Size([500, H]), "base")] = None
     eager_graphs._in_place[_lora_key(small, "small in place")] = {}
@@ -410,8 +412,28 @@ def test_no_new_lora_key_past_max_tokens_captures_beyond_the_token_budget(graphs
     graphs[_lora_key(40, "fits")] = None
     assert eager_graphs._came_back(_lora_key(60, "held"))  # a key that holds its graph keeps replaying
     eager_graphs._in_place[_lora_key(33, "in place")] = {}
-    assert eager_graphs._large_tokens_held() == 133
-    # the stand-in keys are laid out as lora_key's: its tag first, x's shape third
+    assert sorted(map(eager_graphs._tokens, eager_graphs._large_keys_held())) == [33, 40, 60]
+    monkeypatch.setattr(eager_graphs, "MAX_LORA_GRAPH_TOKENS", 10**6)
+    monkeypatch.setattr(eager_graphs, "MAX_LORA_GRAPH_KEYS", 4)
+    assert eager_graphs._came_back(_lora_key(41, "over"))  # seen before, 3 keys held: it fits now
+    graphs[_lora_key(41, "over")] = None  # (its capture)
+    for _ in range(3):
+        assert not eager_graphs._came_back(_lora_key(50, "fifth"))  # 4 keys held
+
+
+def test_past_max_tokens_no_path_rule_reads_a_capture():
+    """The claim the replays past ``MAX_TOKENS`` rest on: the token-major kernels (the only path a capture picks
+    differently) never take more than ``MAX_TOKENS`` tokens, whether a graph is captured or not."""
+    T_ = eager_graphs.MAX_TOKENS + 1
+    for capturing in (False, True):
+        for lora in (False, True):
+            for K_ in (1, 2, 8):
+                assert not triton_backend.takes_token_major(T_, K_, True, False, capturing, num_local_experts=None,
+                                                            expert_bytes=2**30, lora=lora)
+
+
+def test_the_stand_in_keys_are_laid_out_as_lora_keys():
+    """Its tag first, x's shape third: what the budget reads of a key."""
     w13, w2 = random_experts(E, H, I, torch.bfloat16)
     bank = moelab.LoRABank(2, E, H, I, 16)
     x, w, ids, lora_ids = _lora_inputs(0, 41, bank.max_loras, device="cpu")

@@ -19,12 +19,12 @@ holds the launches the backend's rule picks for the call while capturing (in a g
 or tiles; the token-major kernels only at T = 1 with large experts or when forced; the adapter loop or vLLM's flow
 for wide banks), so each call computes the bits of that path in a CUDA graph. Past ``MAX_TOKENS`` tokens, up to
 ``MAX_LORA_TOKENS``, a LoRA call replays from the second call of its key on: the first runs its launches, so a size
-that comes once captures nothing, and both run the same kernels on the same values (no path rule reads a capture
-there; PDL only lets a kernel start early and wait for its inputs). A wide bank's flow runs 7-13 launches there,
-whose host time outweighs the GPU's work up to ~1024 tokens. Their key adds the dtypes of those inputs, whether the
-batch has adapters, the path options, and each tensor of the bank (and of the module's bank) by address, shape and
-dtype, its rank table too: ``LoRABank.set`` writes a slot in place and is read by the next replay; an assigned
-``bank.ranks`` reaches the table at the next call, as on the launches.
+that comes once captures nothing, and both compute the same values (no path rule reads a capture there; the graph's
+kernels are built with PDL's wait at their start, which lets them start early and wait for their inputs). A wide
+bank's flow runs 7-13 launches there, whose host time outweighs the GPU's work up to ~1024 tokens. Their key adds
+the dtypes of those inputs, whether the batch has adapters, the path options, and each tensor of the bank (and of
+the module's bank) by address, shape and dtype, its rank table too: ``LoRABank.set`` writes a slot in place and is
+read by the next replay; an assigned ``bank.ranks`` reaches the table at the next call, as on the launches.
 
 The key is everything the captured launches read by address or by value: the current stream (graphs of one
 stream share one memory pool, and a stream runs its replays one after the other, so their intermediates may share
@@ -54,8 +54,8 @@ thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, th
 
 Not taken (the call runs its launches as before): experts expected to weigh more than ``MAX_BYTES_PER_LAUNCH`` per
 eager launch (the GPU's work hides the launches there), T above ``MAX_TOKENS`` (``LoRAExperts``: the first call of
-a key past it, any above ``MAX_LORA_TOKENS``, and new keys past it once those holding graphs sum to
-``MAX_LORA_GRAPH_TOKENS`` tokens) or 0, an ``output`` not asked for
+a key past it, any above ``MAX_LORA_TOKENS``, and new keys past it once ``MAX_LORA_GRAPH_KEYS`` of them or
+``MAX_LORA_GRAPH_TOKENS`` tokens hold graphs) or 0, an ``output`` not asked for
 alone (``do_finalize=False`` or a delta: the permuted intermediates would be the graph's), a tile ``config``
 forced, CPU tensors, a tensor on a device other than the current one, while a graph is captured or
 ``torch.compile`` traces, inputs that require grad, inference mode switched since the capture (part of the key),
@@ -76,7 +76,8 @@ from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall
 from moelab.lora import LoRABank
 
 __all__ = ["takes", "takes_lora", "expected_touched_experts", "key", "lora_key", "run", "run_lora", "clear", "held",
-           "MAX_TOKENS", "MAX_LORA_TOKENS", "MAX_LORA_GRAPH_TOKENS", "MAX_BYTES_PER_LAUNCH", "MAX_GRAPHS"]
+           "MAX_TOKENS", "MAX_LORA_TOKENS", "MAX_LORA_GRAPH_KEYS", "MAX_LORA_GRAPH_TOKENS", "MAX_BYTES_PER_LAUNCH",
+           "MAX_GRAPHS"]
 
 #: Replay eager calls from CUDA graphs (``MOELAB_EAGER_GRAPHS=0``: never).
 ENABLED: bool = os.environ.get("MOELAB_EAGER_GRAPHS", "1") == "1"
@@ -86,12 +87,17 @@ MAX_TOKENS = 32
 #: their key on: the first runs its launches, so a size that comes once (a prompt's prefill) captures nothing. A
 #: wide bank's flow runs 7-13 launches there, and their host time outweighs the GPU's work: on an H100, eager calls
 #: of 8 adapters (ranks 64/32/16/8) at Qwen3-30B-A3B T = 128 and 1024 took 850 and 1144-1321 µs of host time
-#: against 600 and 794 µs in a CUDA graph (``scripts/host_time.py``, BENCHMARKS.md "Eager LoRA calls past 32
-#: tokens"). Above 32 tokens no path rule reads whether a graph is captured: the replay runs the launches' kernels.
+#: against 600 and 794 µs in a CUDA graph (``scripts/host_cost.py``; 1321 µs from ``scripts/host_time.py``;
+#: BENCHMARKS.md "Eager LoRA calls past 32 tokens"). Above 32 tokens no path rule reads whether a graph is captured
+#: (the token-major kernels take at most 16 slots): the replay computes what the launches do, the graph's kernels
+#: built with PDL's wait at their start.
 MAX_LORA_TOKENS = 1024
-#: Tokens summed over the keys past ``MAX_TOKENS`` that hold graphs, beyond which no further such key captures (its
-#: calls run their launches): each holds T-row input and output buffers (8 KiB a token at H = 2048 in bf16, 512 MiB
-#: here) and its share of the pool, and a model's layers each have keys of their own.
+#: Keys past ``MAX_TOKENS`` that hold graphs, and their tokens summed, beyond which no further such key captures (its
+#: calls run their launches; ``clear`` frees them, and ``MAX_GRAPHS`` lets the oldest copy graphs go): each holds
+#: T-row input and output buffers (8 KiB a token at H = 2048 in bf16: 512 MiB for the tokens here) and its share of
+#: the pool, a model's layers each have keys of their own, and their copy graphs share ``MAX_GRAPHS`` with the
+#: decode keys'.
+MAX_LORA_GRAPH_KEYS = 128
 MAX_LORA_GRAPH_TOKENS = 65536
 #: Largest expected bytes of touched experts (:func:`expected_touched_experts` x one expert's bytes) replayed from
 #: a graph, per launch the call would run eagerly (2 on the token-major path, 4 on the tiled one): what the H200
@@ -184,18 +190,20 @@ def takes_lora(call: LoRAExpertsCall, eager_cost: Callable[[LoRAExpertsCall], tu
 def _came_back(entry_key: tuple) -> bool:
     """Whether a call of ``entry_key`` (:func:`lora_key`) replays where only a repeated key does: its key holds a
     graph, or came once before (this call captures it) and the keys past ``MAX_TOKENS`` that hold graphs stay
-    within ``MAX_LORA_GRAPH_TOKENS`` with it."""
+    within ``MAX_LORA_GRAPH_KEYS`` and ``MAX_LORA_GRAPH_TOKENS`` with it (counted only then: a size that comes once
+    costs a set lookup)."""
     if entry_key in _graphs or entry_key in _in_place:
         return True
-    if _large_tokens_held() + _tokens(entry_key) > MAX_LORA_GRAPH_TOKENS:
+    if entry_key not in _repeats:
+        if len(_repeats) >= MAX_SIGHTINGS:
+            _repeats.clear()
+        _repeats.add(entry_key)
         return False
-    if entry_key in _repeats:
-        _repeats.discard(entry_key)
-        return True
-    if len(_repeats) >= MAX_SIGHTINGS:
-        _repeats.clear()
-    _repeats.add(entry_key)
-    return False
+    held = _large_keys_held()
+    if len(held) >= MAX_LORA_GRAPH_KEYS or sum(map(_tokens, held)) + _tokens(entry_key) > MAX_LORA_GRAPH_TOKENS:
+        return False  # stays in _repeats: asked again at its next call
+    _repeats.discard(entry_key)
+    return True
 
 
 def _tokens(entry_key: tuple) -> int:
@@ -203,10 +211,9 @@ def _tokens(entry_key: tuple) -> int:
     return entry_key[2][0]
 
 
-def _large_tokens_held() -> int:
-    """Tokens summed over the LoRA keys past ``MAX_TOKENS`` that hold a copy graph or in-place graphs."""
-    keys = set(_graphs) | set(_in_place)
-    return sum(_tokens(k) for k in keys if k[0] == "lora" and _tokens(k) > MAX_TOKENS)
+def _large_keys_held() -> set[tuple]:
+    """The LoRA keys past ``MAX_TOKENS`` that hold a copy graph or in-place graphs."""
+    return {k for keys in (_graphs, _in_place) for k in keys if k[0] == "lora" and _tokens(k) > MAX_TOKENS}
 
 
 def expected_touched_experts(T: int, K: int, num_experts: int, num_local_experts: int) -> float:
