@@ -381,6 +381,28 @@ def _lora_key(T_, name="a"):
     return ("lora", 0, torch.Size([T_, H]), name)
 
 
+@needs_cuda
+def test_lora_calls_past_max_tokens_at_the_same_addresses_capture_the_in_place_graph_alone(graphs, monkeypatch):
+    """With in-place replays on: a key's first call past ``MAX_TOKENS`` runs its launches, the second at the same
+    addresses captures the in-place graph (no copy graph, no buffers of its own), the third replays it; every output
+    poisoned first, the launches' bits each time (vLLM's flow), against the float64 reference."""
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", True)
+    experts, w13, w2, bank = _lora_module(False)
+    x, w, ids, lora_ids = _lora_inputs(0, eager_graphs.MAX_TOKENS + 1, bank.max_loras)
+    out = torch.empty_like(x)
+    call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, out, bank, lora_ids, experts.fused, experts._path,
+                           bank)
+    ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"]
+    launched = None
+    for n in range(3):
+        poison(out)
+        assert triton_backend.lora_experts(call) is out
+        assert_close_to_reference(out, ref, torch.bfloat16, f"call {n}")
+        launched = out.clone() if launched is None else launched
+        assert torch.equal(out, launched), n
+        assert not graphs and sum(map(len, eager_graphs._in_place.values())) == (n > 0), n
+
+
 def test_a_lora_key_past_max_tokens_replays_from_its_second_call(graphs):
     """The rule alone, on any machine: a key seen once replays at its next call; one with a graph always; a key is
     forgotten by ``clear``."""
@@ -533,6 +555,30 @@ def test_in_place_replays_start_once_the_addresses_came_back(fake_graphs):
     assert torch.equal(_fake_replay(x, scale, other), x * 3) and len(fake_graphs) == 2
     view = x.view(2, 16).view(4, 8)  # another tensor at x's address: the graph reads it there, as it should
     assert view is not x and torch.equal(_fake_replay(view, scale, out), x * 3) and entry.graph.replays == 5
+
+
+def test_a_call_that_may_not_capture_runs_its_launches_and_counts_its_addresses(fake_graphs):
+    """``capture=False`` (a LoRA key's first call past ``MAX_TOKENS``, or one past the budgets): the launches run on
+    the caller's tensors and no graph is captured, but the addresses count, so the next call at the same addresses
+    captures the in-place graph alone (no copy graph); a held graph replays whatever ``capture`` says."""
+    x, scale, out = torch.randn(4, 8), torch.full((4, 1), 3, dtype=torch.int32), torch.empty(4, 8)
+    for _ in range(2):  # the addresses count past IN_PLACE_AFTER, still no graph
+        x.normal_()
+        got = eager_graphs._replay(("k",), None, (x, scale), (x.dtype, torch.int32), _scale, out, x.shape, False)
+        assert got is out and torch.equal(out, x * 3)
+        assert not fake_graphs and not eager_graphs._graphs and not _placed()
+    x.normal_()
+    out.fill_(float("nan"))
+    assert _fake_replay(x, scale, out) is out and torch.equal(out, x * 3)
+    assert len(fake_graphs) == 1 and fake_graphs[0][0] is x and not eager_graphs._graphs  # in place, no copies
+    (entry,) = _placed().values()
+    x.normal_()
+    out.fill_(float("nan"))
+    got = eager_graphs._replay(("k",), None, (x, scale), (x.dtype, torch.int32), _scale, out, x.shape, False)
+    assert got is out and torch.equal(out, x * 3) and entry.graph.replays == 2 and len(fake_graphs) == 1
+    other = torch.empty(4, 8)  # other addresses, no capture: the launches again, into the caller's output
+    got = eager_graphs._replay(("k",), None, (x, scale), (x.dtype, torch.int32), _scale, other, x.shape, False)
+    assert got is other and torch.equal(other, x * 3) and len(fake_graphs) == 1 and not eager_graphs._graphs
 
 
 def test_inputs_unlike_the_buffers_keep_the_copies(fake_graphs):

@@ -177,14 +177,12 @@ def takes(call: RoutedMoECall, eager_cost: Callable[[RoutedMoECall], tuple[int, 
 
 def takes_lora(call: LoRAExpertsCall, eager_cost: Callable[[LoRAExpertsCall], tuple[int, int]]) -> bool:
     """Whether a backend's ``lora_experts`` call runs as a graph replay: as :func:`takes` says for the base call, a
-    bank with it or not (the bank's tensors, like the weights, are read where they live); past ``MAX_TOKENS``
-    tokens, up to ``MAX_LORA_TOKENS``, from the second call of its key on."""
+    bank with it or not (the bank's tensors, like the weights, are read where they live), up to
+    ``MAX_LORA_TOKENS`` tokens (past ``MAX_TOKENS``, :func:`run_lora` runs a key's first call's launches)."""
     x = call.hidden_states
     if not _replayable(x, (x, call.topk_ids, call.topk_weights, call.lora_ids, call.output), MAX_LORA_TOKENS):
         return False
-    if not _within_bound(x.shape[0], call.top_k, call.num_experts, call.weights.num_local_experts, eager_cost(call)):
-        return False
-    return x.shape[0] <= MAX_TOKENS or _came_back(lora_key(call, torch.cuda.current_stream(x.device)))
+    return _within_bound(x.shape[0], call.top_k, call.num_experts, call.weights.num_local_experts, eager_cost(call))
 
 
 def _came_back(entry_key: tuple) -> bool:
@@ -282,9 +280,12 @@ def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
 
 def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], torch.Tensor]) -> torch.Tensor:
     """``call.output`` written from its key's graph of ``lora_experts(call)`` (a backend's launches for it) over
-    input buffers of the graph's own, captured now if new."""
+    input buffers of the graph's own, captured now if new. Past ``MAX_TOKENS`` a key's first call (and any call
+    past the budgets of :func:`_came_back`) runs the launches on its own tensors, its addresses counted as an
+    in-place replay's sighting: a second call at the same addresses captures the in-place graph alone."""
     x = call.hidden_states
     stream = torch.cuda.current_stream(x.device)
+    entry_key = lora_key(call, stream)
     inputs = (x, call.topk_ids, call.topk_weights, call.lora_ids)
     buffers = tuple(None if t is None else t.dtype for t in inputs)  # as the caller gave them
 
@@ -294,22 +295,26 @@ def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], to
         return lora_experts(dataclasses.replace(call, hidden_states=static_x, topk_ids=static_ids,
                                                 topk_weights=static_weights, lora_ids=static_lora_ids, output=out))
 
-    return _replay(lora_key(call, stream), stream, inputs, buffers, launches, call.output, call.output.shape)
+    capture = x.shape[0] <= MAX_TOKENS or _came_back(entry_key)
+    return _replay(entry_key, stream, inputs, buffers, launches, call.output, call.output.shape, capture)
 
 
 def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
             buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
-            output: torch.Tensor | None, out_shape: torch.Size) -> torch.Tensor:
+            output: torch.Tensor | None, out_shape: torch.Size, capture: bool = True) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers (of dtypes ``buffers``; None: no input), replay, and return a copy
     of its output (or ``output`` written). A new key captures ``launches(*buffers)`` first. With ``IN_PLACE``,
-    :func:`_replay_in_place` first (``out_shape``: the output's, in ``inputs[0]``'s dtype)."""
+    :func:`_replay_in_place` first (``out_shape``: the output's, in ``inputs[0]``'s dtype). ``capture`` False: no
+    new graph; where none is held, ``launches(*inputs, out=output)`` runs on the caller's tensors."""
     if IN_PLACE:
         if output is None:  # the caller's new output; where it lies decides the in-place graph, as the inputs do
             output = torch.empty(out_shape, dtype=inputs[0].dtype, device=inputs[0].device)
-        if _replay_in_place(entry_key, stream, inputs, buffers, launches, output):
+        if _replay_in_place(entry_key, stream, inputs, buffers, launches, output, capture):
             return output
     entry = _graphs.get(entry_key)
     if entry is None:
+        if not capture:
+            return launches(*inputs, out=output)
         entry = _capture(_buffers_like(inputs, buffers), stream, launches)
         if len(_graphs) >= MAX_GRAPHS:
             del _graphs[next(iter(_graphs))]
@@ -323,14 +328,14 @@ def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Ten
 
 def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
                      buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
-                     output: torch.Tensor) -> bool:
+                     output: torch.Tensor, capture: bool = True) -> bool:
     """Whether ``output`` was written by replaying a graph that reads ``inputs`` and writes ``output`` where they
     lie now. Not (False) for an input or output not as the buffers would hold it (dtype, contiguous, 16-byte
     aligned) or for addresses not yet seen ``IN_PLACE_AFTER`` times. A contiguous tensor's memory is laid out as the
     buffers' are, whatever the stride of a size-1 dimension (a one-token batch's top-k ids, a (1, K) slice of a
     (1, E) tensor); the capture reads it through packed strides, so the kernels specialise as on the buffers and
     both graphs run the same kernels. The graph holds no reference to those tensors (one would keep their blocks
-    from coming back to the next call)."""
+    from coming back to the next call). ``capture`` False: the addresses are counted, but no graph is captured."""
     pointers = []
     for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
         if t is None:
@@ -346,7 +351,7 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
         if _evictions.get(entry_key, 0) >= MAX_IN_PLACE_EVICTIONS:
             return False  # this call site's addresses do not come back often enough to pay for captures
         seen = _sightings.get((entry_key, addresses), 0) + 1
-        if seen < IN_PLACE_AFTER:
+        if seen < IN_PLACE_AFTER or not capture:
             if len(_sightings) >= MAX_SIGHTINGS:
                 _sightings.clear()
             _sightings[entry_key, addresses] = seen
