@@ -115,10 +115,11 @@ def _stub_triton() -> None:
 
 
 def _stub_replays() -> None:
-    """CPU, ``--stub-replays``: eager calls of at most ``MAX_TOKENS`` take ``eager_graphs``' replay path as on a
-    GPU, with a stand-in graph whose replay does nothing and a stand-in current stream; the copies into its
-    buffers (CPU memcpys here, copy kernels a GPU launches) and all of moelab's Python on the way run as they are
-    (``MOELAB_EAGER_GRAPHS_IN_PLACE=0``: no in-place replays)."""
+    """CPU, ``--stub-replays``: eager calls of at most ``MAX_TOKENS`` (``LoRAExperts``: ``MAX_LORA_TOKENS``, from a
+    key's second call) take ``eager_graphs``' replay path as on a GPU, with a stand-in graph whose replay does
+    nothing and a stand-in current stream; the copies into its buffers (CPU memcpys here, copy kernels a GPU
+    launches) and all of moelab's Python on the way run as they are (``MOELAB_EAGER_GRAPHS_IN_PLACE=0``: no in-place
+    replays)."""
     import types
 
     from moelab.backends import eager_graphs
@@ -132,7 +133,8 @@ def _stub_replays() -> None:
         return eager_graphs._Entry(_Graph(), static, torch.empty(x.shape, dtype=x.dtype) if out is None else out)
 
     eager_graphs._capture = capture
-    eager_graphs._replayable = lambda x, inputs: eager_graphs.ENABLED and 0 < x.shape[0] <= eager_graphs.MAX_TOKENS
+    eager_graphs._replayable = lambda x, inputs, max_tokens=None: eager_graphs.ENABLED and 0 < x.shape[0] <= (
+        eager_graphs.MAX_TOKENS if max_tokens is None else max_tokens)
     stream = types.SimpleNamespace(cuda_stream=0)
     torch.cuda.current_stream = lambda device=None: stream
 
