@@ -467,23 +467,53 @@ def test_the_stand_in_keys_are_laid_out_as_lora_keys():
 
 def test_the_backend_weighs_a_lora_calls_eager_launches():
     """The token-major path's two launches, as the base call's (its W13 shrink runs in GEMM1's grid); the fused
-    tiles count the base call's four,
+    tiles count the base call's four in their decode mode, ``TILES_LAUNCHES`` past it (four where forced),
     vLLM's flow its own (forced, or a wide bank past the adapter loop's crossover). A batch without adapters
     counts as one with them, so both replay or both launch (and its rows stay bit for bit theirs)."""
     device = "cuda" if CUDA else "cpu"
-    flow = triton_backend.FLOW_LAUNCHES
+    flow, tiles = triton_backend.FLOW_LAUNCHES, triton_backend.TILES_LAUNCHES
     wide = (16,) * 5  # 5 slots -> L_PAD 8, x R_PAD 16: 128 stacked columns
+    big = triton_backend.FUSED_DECODE_MAX_SLOTS // K + 1  # past the decode mode: the tiles mode's launches
     for fused, ranks, T_, lora, expect in [(None, (16, 8), 1, True, 2), (None, (16, 8), 1, False, 2),
                                            (False, (16, 8), 1, True, flow), (False, (16, 8), 1, False, flow),
                                            (None, (16, 8), T, True, 4), ("token-major", (16, 8), T, True, 2),
                                            (None, wide, T, True, flow), (None, wide, T, False, flow),
-                                           ("adapter-loop", wide, T, True, 4)]:
+                                           ("adapter-loop", wide, T, True, 4), (None, (16, 8), big, True, tiles),
+                                           (None, (16, 8), big, False, tiles), ("tiles", (16, 8), big, True, 4)]:
         experts, *_, bank = _lora_module(fused, ranks, device=device)
         x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device=device)
         call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank if lora else None,
                                lora_ids if lora else None, experts.fused, experts._path, bank)
         expert_bytes, launches = triton_backend._lora_eager_cost(call)
         assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (fused, ranks, T_, lora, launches)
+
+
+@pytest.mark.parametrize("fused, ranks, T_", [(None, (16, 8), T), (None, (16, 8), "big"), (False, (16, 8), T)])
+def test_a_lora_calls_counted_launches_are_the_launches_it_runs(fused, ranks, T_, monkeypatch):
+    """``_lora_eager_cost``'s count against the Triton launches the call's path runs (interpreted on a CPU,
+    compiled on a GPU): the fused decode mode, the tiles mode past it, vLLM's flow."""
+    from moelab.kernels.interpret import ScopedInterpretedFunction
+    from moelab.kernels.launch import CachedLaunchJIT
+
+    launched = []
+
+    def counted(entry):
+        def counting(self, *args, **kwargs):
+            launched.append(self)
+            return entry(self, *args, **kwargs)
+        return counting
+
+    for cls, name in ((ScopedInterpretedFunction, "run"), (CachedLaunchJIT, "_launch")):
+        monkeypatch.setattr(cls, name, counted(getattr(cls, name)))
+    device = "cuda" if CUDA else "cpu"
+    T_ = triton_backend.FUSED_DECODE_MAX_SLOTS // K + 1 if T_ == "big" else T_
+    experts, *_, bank = _lora_module(fused, ranks, device=device)
+    x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device=device)
+    call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank, lora_ids, experts.fused,
+                           experts._path, bank)
+    triton_backend._lora_experts_launches(call)
+    counted = triton_backend._lora_eager_cost(call)[1]
+    assert len(launched) == counted, (fused, T_, [f.fn.__name__ for f in launched])
 
 
 def test_no_lora_call_is_replayed_on_a_cpu(graphs):

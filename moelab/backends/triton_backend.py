@@ -385,13 +385,18 @@ def _eager_cost(call: RoutedMoECall) -> tuple[int, int]:
 #: Triton launches of vLLM's flow (``lora_flow``) at decode sizes, as ``scripts/host_cost.py`` counted them on the
 #: H200 (8 adapters, T = 8 and 32): the unfinalized routed MoE's three (segments, GEMM1, GEMM2) and the flow's four.
 FLOW_LAUNCHES = 7
+#: Triton launches of the stacked bank's tiles mode (past ``FUSED_DECODE_MAX_SLOTS`` slots), as
+#: ``scripts/host_cost.py --lora 16 --launches`` counted them at Qwen3-30B-A3B T = 1024: the segments' three (count,
+#: scan, scatter: more than ``MAX_CHUNK`` slots), the W13 shrink, GEMM1, the W2 shrink, GEMM2 and the finalize.
+TILES_LAUNCHES = 8
 
 
 def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
     """As :func:`_eager_cost`, for a ``lora_experts`` call, counted as the module's call with adapters would run
     eagerly whether this batch has any (so a batch without adapters replays or launches as one with them does,
     and its rows stay bit for bit theirs): vLLM's flow ``FLOW_LAUNCHES``; the token-major path its 2, as the base
-    call's (the W13 shrink runs in GEMM1's grid); the fused tiles 4 (their decode mode; more past it)."""
+    call's (the W13 shrink runs in GEMM1's grid); the fused tiles 4 in their decode mode, ``TILES_LAUNCHES`` past it
+    (left to the module: a forced path counts 4)."""
     expert_bytes, launches = _eager_cost(call)  # 2: the token-major path, as the rule would take it
     bank = call.lora if call.lora is not None else call.bank
     if call.path not in (None, "token-major") or (bank is not None and not call.fused):
@@ -400,6 +405,8 @@ def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
         launches = 2
     if (bank is not None and not call.fused) or (launches == 4 and _wide_past_crossover(call, bank)):
         return expert_bytes, FLOW_LAUNCHES
+    if launches == 4 and call.path is None and bank is not None and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
+        return expert_bytes, TILES_LAUNCHES
     return expert_bytes, launches
 
 
