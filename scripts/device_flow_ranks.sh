@@ -19,6 +19,8 @@
 #   secT           Nsight Compute's sections (occupancy, memory, warp stalls) on the delta kernels of one eager call at T
 #   host           scripts/host_time.py: the host time of eager calls of the 8-adapter bank at HOST_T (128,1024), each
 #                  Triton launch named; then one call under torch's sync debug mode (a host sync raises)
+#   replays        scripts/host_cost.py --compare-replays: eager calls with eager_graphs' replays on and off in one
+#                  process, against the CUDA graph, Qwen3 T = 128 and 1024: the 8-adapter bank and one rank-16 adapter
 #   segtests       the GPU tests of the segments and the delta kernel only (~60 s)
 #   graphtests     the GPU tests of the eager replays and of LoRAExperts
 # Writes $OUT/{env.txt,tests.log,<step>.json|.log|.md,sweep.log,ncuT.csv}.
@@ -73,6 +75,11 @@ for T in (${HOST_T:-128,1024}):
     torch.cuda.set_sync_debug_mode('error'); call(); torch.cuda.set_sync_debug_mode(0); torch.cuda.synchronize()
     print('T', T, 'no host sync in an eager call of the 8-adapter bank')
 " 2>&1 | tail -5 | tee -a "$OUT/host.log" ;;
+    replays)
+      for ranks in 64,32,16,8,64,32,16,8 16; do
+        PYTHONPATH=$PWD timeout 200 python3 scripts/host_cost.py --shape qwen3-30b-a3b --tokens 128,1024 --rounds 5 \
+          --calls 50 --lora $ranks --compare-replays 2>&1 | tee -a "$OUT/replays.log"
+      done ;;
     segtests) PYTHONPATH=$PWD gpu_tests 200 tests/test_routed_moe.py tests/test_lora.py -k "segments or delta" ;;
     graphtests) PYTHONPATH=$PWD gpu_tests 300 tests/test_eager_graphs.py tests/test_experts.py ;;
     segold|segnew)

@@ -6,6 +6,7 @@
     python scripts/host_cost.py --launches a.json                 # + what Triton was asked to compile (CPU only)
     python scripts/host_cost.py --lora 16                         # LoRAExperts, one rank-16 adapter on every token
     python scripts/host_cost.py --lora 16 --stub-replays          # CPU: a replayed call's host cost (graph stubbed)
+    python scripts/host_cost.py --lora 64,32,16,8 --tokens 128,1024 --compare-replays   # + replays off, same process
     PYTHONPATH=/path/to/other/tree python scripts/host_cost.py    # another tree's moelab (the path printed first)
 
 Each shape and T: the call the bench's "moelab triton" row makes (packed routing words, ``validate=False``, plain
@@ -264,9 +265,23 @@ def measure(shape: str, T: int, a) -> None:
     line = f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {launches}"
     if a.layers > 1:
         line += f", {a.layers} layers in turn"
+    off = None
+    if a.compare_replays:  # the same calls with the eager replays off, in this process (rounds alternating)
+        from moelab.backends import eager_graphs
+
+        ons, offs = [us], []
+        for _ in range(2):
+            eager_graphs.ENABLED = False
+            offs.append(host_us(call, a.rounds, a.calls) / a.layers)
+            eager_graphs.ENABLED = True
+            ons.append(host_us(call, a.rounds, a.calls) / a.layers)
+        us, off = min(ons), min(offs)
+        line += f"; replays off {off:7.1f} µs/call (best of 2 passes; on: best of 3)"
     if CUDA:
         g = graph_us(call, a.calls) / a.layers
         line += f"); CUDA graph {g:7.1f} µs/call; eager / graph {us / g:5.2f}"
+        if off is not None:
+            line += f", replays off {off / g:5.2f}"
         bench = median_us(call, torch.device("cuda")) / a.layers
         line += f"; the bench's eager timing {bench:7.1f} µs/call ({bench / g:4.2f}x)"
     else:
@@ -292,6 +307,8 @@ def main() -> None:
     p.add_argument("--lora", help="LoRAExperts with one adapter of each rank of this comma list (e.g. 16)")
     p.add_argument("--stub-replays", action="store_true", help="CPU: eager calls of T <= 32 take the CUDA-graph "
                    "replay path, the graph stubbed (the host's Python and copies of a replayed call)")
+    p.add_argument("--compare-replays", action="store_true", help="also the same calls with eager_graphs' replays "
+                   "off, alternating with on, in this process")
     p.add_argument("--layers", type=int, default=1, help="this many layers of their own weights, called in turn "
                    "(as a model's layers are: on a GPU no layer finds its weights in the L2); µs per layer")
     a = p.parse_args()
