@@ -252,6 +252,22 @@ def _lora_call(experts, x, w, ids, lora_ids):
     return experts(x, w, ids, lora_ids, has_lora=lora_ids is not None, validate=False)
 
 
+def _backend_call(experts, bank, x, w, ids, lora_ids, out=None):
+    """The :class:`LoRAExpertsCall` ``experts`` hands its backend for these inputs (``lora_ids`` None: a batch
+    without adapters; the module's bank stays), writing ``out`` (default: a new one)."""
+    return LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x) if out is None else out,
+                           None if lora_ids is None else bank, lora_ids, experts.fused, experts._path, bank)
+
+
+def _cpu_call(T_, fused):
+    """A LoRAExpertsCall of ``T_`` tokens on CPU tensors, torch-backend weights and a two-slot bank."""
+    w13, w2 = random_experts(E, H, I, torch.bfloat16)
+    bank = moelab.LoRABank(2, E, H, I, 16)
+    x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device="cpu")
+    W = moelab.prepare_weights(w13, w2, backend="torch")  # a GPU box runs no triton kernels on CPU tensors
+    return LoRAExpertsCall(x, ids, w, W, E, K, 0, torch.empty_like(x), bank, lora_ids, fused, None, bank)
+
+
 #: 5 slots of rank 16 -> L_PAD 8 x R_PAD 16 = 128 stacked columns, past the fused tiles' 64: the adapter loop at
 #: decode, vLLM's flow past its crossover.
 WIDE = (16,) * 5
@@ -390,8 +406,7 @@ def test_lora_calls_past_max_tokens_at_the_same_addresses_capture_the_in_place_g
     experts, w13, w2, bank = _lora_module(False)
     x, w, ids, lora_ids = _lora_inputs(0, eager_graphs.MAX_TOKENS + 1, bank.max_loras)
     out = torch.empty_like(x)
-    call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, out, bank, lora_ids, experts.fused, experts._path,
-                           bank)
+    call = _backend_call(experts, bank, x, w, ids, lora_ids, out)
     ref = reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"]
     launched = None
     for n in range(3):
@@ -456,12 +471,7 @@ def test_past_max_tokens_no_path_rule_reads_a_capture():
 
 def test_the_stand_in_keys_are_laid_out_as_lora_keys():
     """Its tag first, x's shape third: what the budget reads of a key."""
-    w13, w2 = random_experts(E, H, I, torch.bfloat16)
-    bank = moelab.LoRABank(2, E, H, I, 16)
-    x, w, ids, lora_ids = _lora_inputs(0, 41, bank.max_loras, device="cpu")
-    W = moelab.prepare_weights(w13, w2, backend="torch")
-    call = LoRAExpertsCall(x, ids, w, W, E, K, 0, torch.empty_like(x), bank, lora_ids, False, None, bank)
-    key = eager_graphs.lora_key(call, types.SimpleNamespace(cuda_stream=0))
+    key = eager_graphs.lora_key(_cpu_call(41, False), types.SimpleNamespace(cuda_stream=0))
     assert key[0] == "lora" and eager_graphs._tokens(key) == 41
 
 
@@ -482,8 +492,7 @@ def test_the_backend_weighs_a_lora_calls_eager_launches():
                                            (None, (16, 8), big, False, tiles), ("tiles", (16, 8), big, True, 4)]:
         experts, *_, bank = _lora_module(fused, ranks, device=device)
         x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device=device)
-        call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank if lora else None,
-                               lora_ids if lora else None, experts.fused, experts._path, bank)
+        call = _backend_call(experts, bank, x, w, ids, lora_ids if lora else None)
         expert_bytes, launches = triton_backend._lora_eager_cost(call)
         assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (fused, ranks, T_, lora, launches)
 
@@ -497,32 +506,26 @@ def test_a_lora_calls_counted_launches_are_the_launches_it_runs(fused, ranks, T_
 
     launched = []
 
-    def counted(entry):
-        def counting(self, *args, **kwargs):
+    def counting(entry):
+        def launch(self, *args, **kwargs):
             launched.append(self)
             return entry(self, *args, **kwargs)
-        return counting
+        return launch
 
     for cls, name in ((ScopedInterpretedFunction, "run"), (CachedLaunchJIT, "_launch")):
-        monkeypatch.setattr(cls, name, counted(getattr(cls, name)))
+        monkeypatch.setattr(cls, name, counting(getattr(cls, name)))
     device = "cuda" if CUDA else "cpu"
     T_ = triton_backend.FUSED_DECODE_MAX_SLOTS // K + 1 if T_ == "big" else T_
     experts, *_, bank = _lora_module(fused, ranks, device=device)
     x, w, ids, lora_ids = _lora_inputs(0, T_, bank.max_loras, device=device)
-    call = LoRAExpertsCall(x, ids, w, experts.weights, E, K, 0, torch.empty_like(x), bank, lora_ids, experts.fused,
-                           experts._path, bank)
+    call = _backend_call(experts, bank, x, w, ids, lora_ids)
     triton_backend._lora_experts_launches(call)
     counted = triton_backend._lora_eager_cost(call)[1]
     assert len(launched) == counted, (fused, T_, [f.fn.__name__ for f in launched])
 
 
 def test_no_lora_call_is_replayed_on_a_cpu(graphs):
-    w13, w2 = random_experts(E, H, I, torch.bfloat16)
-    bank = moelab.LoRABank(2, E, H, I, 16)
-    x, w, ids, lora_ids = _lora_inputs(0, 1, bank.max_loras, device="cpu")
-    W = moelab.prepare_weights(w13, w2, backend="torch")  # a GPU box runs no triton kernels on CPU tensors
-    call = LoRAExpertsCall(x, ids, w, W, E, K, 0, torch.empty_like(x), bank, lora_ids, True, None, bank)
-    assert not eager_graphs.takes_lora(call, lambda c: (0, 4))
+    assert not eager_graphs.takes_lora(_cpu_call(1, True), lambda c: (0, 4))
 
 
 # ------------------------------------------------------------------------------------- in-place replays
