@@ -32,7 +32,7 @@ from moelab.backends import eager_graphs, lora_flow
 from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 from moelab.kernels import fused_lora
 from moelab.kernels.finalize import finalize_triton
-from moelab.kernels.moe_gemm import Combine, GemmConfig, choose_config, gemm1_swiglu, gemm2
+from moelab.kernels.moe_gemm import GemmConfig, choose_config, gemm1_swiglu, gemm2
 from moelab.kernels.segments import MAX_CHUNK, build_segments_triton
 from moelab.kernels.token_major import token_major_moe
 from moelab.lora import LoRABank
@@ -189,25 +189,6 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
     return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and (T == 1 or slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES)
 
 
-#: The top-k combine in GEMM2's epilogue (``moe_gemm.Combine``: fp32 atomic adds into a zeroed [T, H] sum, then one
-#: rounding copy into the output) instead of the permuted [R2, H] output and the finalize pass that reads it again.
-#: "auto": from ``COMBINE_MIN_SLOTS`` slots (T*K) on, unless ``torch.use_deterministic_algorithms(True)`` is on (the
-#: atomics' order varies from run to run, so the fp32 sums, and now and then a rounded output element, do too; the
-#: finalize sums each token in k order). "always" or "never" force it (A/Bs, tests). ``COMBINE_SUM`` "input": the
-#: atomics add in the output's dtype into the zeroed output (no fp32 sum, no copy; a rounding at every add).
-COMBINE_IN_GEMM2 = "auto"
-COMBINE_MIN_SLOTS = 1 << 62  # not measured yet: "auto" never combines
-COMBINE_SUM = "fp32"
-
-
-def takes_combine(T: int, K: int) -> bool:
-    """Whether a finalizing tiled pipeline of ``T`` tokens of ``K`` experts runs the top-k combine in GEMM2's
-    epilogue (``COMBINE_IN_GEMM2``)."""
-    if COMBINE_IN_GEMM2 != "auto":
-        return COMBINE_IN_GEMM2 == "always"
-    return T * K >= COMBINE_MIN_SLOTS and not torch.are_deterministic_algorithms_enabled()
-
-
 def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
     """Bytes of one local expert's w13 and w2 (shape arithmetic: ``w13[0]`` would build a view, ~8 µs of host)."""
     return (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]) * w13.element_size()
@@ -230,8 +211,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     (``activation, gated, swiglu_alpha, swiglu_limit``; None: SwiGLU); ``w13_bias``/``w2_bias`` the GEMMs' biases;
     ``weight_on_input``: each slot's input row is scaled by its weight and the finalize sums unweighted.
     ``token_major``: where :func:`takes_token_major` says so, run the two-launch path instead (then gemm2, e2p and
-    act come back None: nothing asked for them). Where :func:`takes_combine` says so, GEMM2 sums into the output
-    itself (gemm2 comes back None).
+    act come back None: nothing asked for them).
     """
     packed = expert_weights is None
     if lora is not None and (packed or not round_weights):
@@ -258,14 +238,13 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
                                                config, lora is not None and lora.adapter_loop, expert_bytes)
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
-    combine = do_finalize and takes_combine(T, K)  # GEMM2 sums into the output: no permuted gemm2 rows
-    gemm2_out = None if combine else torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
+    gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
     dead_fill = _runtime.dead_row_fill()
     # The GEMM grids cover the rows live data can reach (the segments' rows); FlashInfer's 128 KiB floor can make a
     # buffer taller (tiny H or I, decode): that tail is filled here instead of by thousands of do-nothing programs.
     if act_rows > reach:
         act[reach:].fill_(dead_fill)
-    if gemm2_out is not None and gemm2_rows > reach:
+    if gemm2_rows > reach:
         gemm2_out[reach:].fill_(dead_fill)
     lora_args = None  # the GEMMs' LoRA operands (moelab/kernels/fused_lora.py), by mode
     decode = lora is not None and (lora.mode == "decode" or (
@@ -294,17 +273,6 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         fused_lora.shrink_w2_tiles(act, lora_args)
     elif isinstance(lora_args, fused_lora.AdapterLoopLoRA) and not lora_args.decode:
         fused_lora.adapter_loop_shrink_w2(act, lora_args)
-    if combine:
-        if output is None:
-            output = torch.empty(T, H, dtype=x.dtype, device=device)
-        summed = output.dtype == torch.float32 or COMBINE_SUM == "input"
-        target = output.zero_() if summed else torch.zeros(T, H, dtype=torch.float32, device=device)
-        weights = None if weight_on_input else routing if packed else expert_weights
-        gemm2(act, w2, None, seg, config=cfg, lora=lora_args, pdl=pdl, bias=w2_bias,
-              combine=Combine(target, weights, K, round_weights))
-        if not summed:
-            output.copy_(target)
-        return output, None, seg.slot_to_row, act
     gemm2(act, w2, gemm2_out, seg, config=cfg, lora=lora_args, dead_fill=dead_fill, pdl=pdl, bias=w2_bias)
     if do_finalize:
         if output is None:
@@ -352,8 +320,6 @@ def _routed_moe_op(routing: torch.Tensor, expert_weights: torch.Tensor | None, h
                           weight_on_input=weight_on_input, token_major=token_major))
     if do_finalize and gemm1_lora_delta is None:
         return [outs[0], *_no_intermediates(hidden_states, routing, w2.shape[1], w2.shape[2])]
-    if do_finalize:  # the caller's list has no gemm2 rows (the combine may not have written any)
-        outs[1] = hidden_states.new_empty(0, w2.shape[1])
     return outs
 
 
@@ -369,7 +335,7 @@ def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_expert
         return [x.new_empty(T, H), *_no_intermediates(x, routing, H, two_i // 2)]
     tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
     return [x.new_empty(T, H if do_finalize else 0),
-            x.new_empty(0 if do_finalize else permuted_rows(T, K, num_experts, tile, H), H),
+            x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
             routing.new_empty(T * K, dtype=torch.int32),
             x.new_empty(permuted_rows(T, K, num_experts, tile, two_i // 2), two_i // 2)]
 

@@ -65,7 +65,7 @@ from moelab.kernels.fused_lora import (
 )
 from moelab.permutation import Segments, cdiv
 
-__all__ = ["Combine", "GemmConfig", "choose_config", "gemm1_swiglu", "gemm2"]
+__all__ = ["GemmConfig", "choose_config", "gemm1_swiglu", "gemm2"]
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -446,16 +446,11 @@ def _gemm2_kernel(
     # W_DESC: act [num_rows, I] and w2 as [w_rows = E_local * H, I] through Hopper TMA descriptors (I * itemsize and
     # stride_act_r * itemsize multiples of 16 B), zero-filled past I; columns read past H are never stored
     w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    # COMBINE (the top-k combine in the epilogue, see ``Combine``): out_ptr is the [T, H] sum (stride_out_r its row
-    # stride); each live row, times its slot's weight in combine_weights_ptr (COMBINE_WEIGHTS: "float", "packed"
-    # int32 routing words, "rounded" float rounded to bf16 first, or "none": unweighted), is added to its token's row
-    combine_weights_ptr=None, COMBINE: tl.constexpr = False, COMBINE_WEIGHTS: tl.constexpr = "float",
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_prologue(
         out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
     if expert < 0:
-        if not COMBINE:  # a combined tile past the live rows adds nothing
-            tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
         return
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act_r + ks[None, :]  # live rows: contiguous
@@ -527,35 +522,7 @@ def _gemm2_kernel(
                 acc = expand_other_adapters(acc, adapters, row_ranks, lo, hi, s2_ptr, s_rows, R_PAD, down_b_ptr, expert,
                                             cols, col_ok, H, num_local_experts, max_rank, ratio,
                                             act_ptr.dtype.element_ty, LORA_DECODE, RANK_CHUNK, DOT_F32, DOT_PRECISION)
-    if COMBINE:
-        _combine_rows(acc, out_ptr, stride_out_r, rows, cols, col_ok, num_rows, row_to_slot_ptr, combine_weights_ptr,
-                      top_k, COMBINE_WEIGHTS)
-    else:
-        tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@jit
-def _combine_rows(acc, sum_ptr, stride_sum_t, rows, cols, col_ok, num_rows, row_to_slot_ptr, weights_ptr, top_k,
-                  WEIGHTS: tl.constexpr):
-    """GEMM2's top-k combine: ``sum[t] += w[slot] * acc[row]`` for each live row of the tile (t = slot // top_k),
-    by relaxed atomic adds in ``sum_ptr``'s dtype (the order of a token's K adds is not fixed). fp32 ``acc``: the
-    row is not rounded to the input dtype first, as the finalize's gemm2 rows are."""
-    slots = tl.load(row_to_slot_ptr + rows, mask=rows < num_rows, other=-1)
-    live = slots >= 0
-    slots = tl.where(live, slots, 0)
-    if WEIGHTS == "none":  # the router weight went into the inputs
-        weighted = acc
-    else:
-        if WEIGHTS == "packed":
-            w = routing_word_weight(tl.load(weights_ptr + slots))
-        else:
-            w = tl.load(weights_ptr + slots).to(tl.float32)
-            if WEIGHTS == "rounded":  # the weight a packing would have carried: bf16, nearest even
-                w = to_output(w, tl.bfloat16).to(tl.float32)
-        weighted = acc * w[:, None]
-    sum_ptrs = sum_ptr + (slots // top_k).to(tl.int64)[:, None] * stride_sum_t + cols[None, :]
-    tl.atomic_add(sum_ptrs, weighted.to(sum_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :],
-                  sem="relaxed")
+    tl.store(out_ptrs, to_output(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -632,49 +599,18 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
     return act
 
 
-@dataclass(frozen=True)
-class Combine:
-    """GEMM2's epilogue runs the top-k combine (the finalize's sum, ``moelab/kernels/finalize.py``): each live row
-    of GEMM2, times its slot's routing weight, is added to its token's row of ``target`` by atomic adds, so no
-    permuted [R2, H] output is written and read again. ``target`` [T, H] (unit column stride) must hold zeros; an
-    fp32 target sums in fp32 (the caller rounds it once), one of the input dtype rounds at every add.
-    ``weights``: float [T, K] contiguous, int32 packed routing words, or None (unweighted: the router weight went
-    into the inputs); ``round_weights``: float weights rounded to bf16 first (what a packing would carry)."""
-
-    target: torch.Tensor
-    weights: torch.Tensor | None
-    top_k: int
-    round_weights: bool = False
-
-    def gemm2_args(self, placeholder: torch.Tensor) -> dict:
-        if self.weights is None:
-            kind = "none"
-        elif self.weights.dtype == torch.int32:
-            kind = "packed"
-        else:
-            kind = "rounded" if self.round_weights else "float"
-        return dict(combine_weights_ptr=self.weights if self.weights is not None else placeholder, COMBINE=True,
-                    COMBINE_WEIGHTS=kind, top_k=self.top_k)
-
-
-def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None, segments: Segments, *, config: GemmConfig,
+def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, config: GemmConfig,
           lora: TileLoRA | DecodeLoRA | AdapterLoopLoRA | None = None, dead_fill: float = 0.0, pdl: dict | None = None,
-          bias: torch.Tensor | None = None, combine: Combine | None = None) -> torch.Tensor:
+          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
-    W2 term with ``lora``). With ``combine`` (``out`` None) the rows are weighted and summed into
-    ``combine.target`` instead, which is returned."""
+    W2 term with ``lora``)."""
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
     lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
         "top_k": 0}
-    if bias is not None or combine is not None:  # both go to live rows only: the kernel reads the slots
-        lora_args |= dict(row_to_slot_ptr=segments.row_to_slot)
-    if bias is not None:
-        lora_args |= dict(bias_ptr=bias)
-    if combine is not None:
-        lora_args |= combine.gemm2_args(act)
-        out = combine.target
+    if bias is not None:  # the bias goes to live rows only: the kernel reads the slots
+        lora_args |= dict(row_to_slot_ptr=segments.row_to_slot, bias_ptr=bias)
     if takes_tma(config, H * I, w2, act, min_hi=TMA_MIN_HI_GEMM2):
         lora_args |= dict(w_rows=w2.shape[0] * w2.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm2"])
     stages = min(config.num_stages, GEMM2_MAX_STAGES) if config.block_m >= 128 else config.num_stages
