@@ -355,6 +355,7 @@ def test_triton_routed_moe_cuda_graph_capture_and_replay():
         (300, 17, 16, 3, 0, 30),  # EP window [3, 20): slots outside belong to no group; several chunks
         (1000, 513, 32, 0, -1, 600),  # LoRA-sized grouping (4 adapters x 128 experts + 1): narrow chunks
         (5000, 8, 16, 0, 0, 8),  # several chunks of 1024 slots: the scan across chunks
+        (5000, 600, 16, 2, -1, 640),  # 1024 bins: each scatter program scans the 5 chunks in two steps
         (40, 2000, 16, 0, 0, 2000),  # 2000 groups in one program (8 adapters x 250 experts)
         (3000, 4097, 16, 0, -1, 4097),  # 32 adapters x 128 experts + 1, several chunks of 8192 bins each
         (40, 9000, 16, 0, 0, 9000),  # more groups than MAX_GROUPS: the torch construction

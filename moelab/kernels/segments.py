@@ -1,13 +1,14 @@
-"""Tile-aligned group segments on the GPU in three launches (``moelab.permutation`` explains the layout).
+"""Tile-aligned group segments on the GPU in one or two launches (``moelab.permutation`` explains the layout).
 
-Same result as :func:`moelab.permutation.build_segments` (slot_to_row, row_to_slot, block_group), but three
-Triton launches instead of about two dozen small torch kernels; on the H200 the torch construction cost
-430 µs of host time at T=1 and 830 µs at T=16384 (Qwen3 shapes), more than the MoE layer itself.
+Same result as :func:`moelab.permutation.build_segments` (slot_to_row, row_to_slot, block_group), but Triton
+launches instead of about two dozen small torch kernels; on the H200 the torch construction cost 430 µs of host
+time at T=1 and 830 µs at T=16384 (Qwen3 shapes), more than the MoE layer itself.
 
     count    one program per chunk of CHUNK slots: histogram of the chunk's groups, and its exclusive scan over
-             groups (where each group's slots start inside the chunk once the chunk is sorted)
-    scan     one program: exclusive scan of the histograms over chunks (where each chunk starts inside each
-             group), group counts -> tile-padded segment starts
+             groups (where each group's slots start inside the chunk once the chunk is sorted); the -1 fill of
+             its share of row_to_slot
+    scan     exclusive scan of the histograms over chunks (where each chunk starts inside each group), group
+             counts -> tile-padded segment starts: done by each scatter program for its own chunk
     scatter  one program per chunk: sort the chunk by (group, slot), then
              row = seg_start[g] + chunk_base[chunk, g] + (position in sorted chunk - chunk_bin_start[chunk, g]);
              and the group of its share of the tiles of rows
@@ -15,7 +16,8 @@ Triton launches instead of about two dozen small torch kernels; on the H200 the 
 Up to one chunk (1024 slots: every decode batch) a single program does all three steps, because on the H200
 each launch costs tens of microseconds of host time, more than the work. Past ``BISECT_BINS`` bins (the LoRA
 groupings of 8 and more adapters) the steps take the ways that scale with the groups: atomic histograms, the scan
-in programs of ``SCAN_BINS`` bins and a fourth launch for the segment starts, the tile -> group map by bisection.
+as launches of its own (programs of ``SCAN_BINS`` bins and one for the segment starts), the tile -> group map by
+bisection. In a CUDA graph on Hopper the launches are chained by programmatic dependent launch.
 
 The groups are ``value - offset`` (a slot outside ``[0, G)`` belongs to no group: row -1), or with ``adapter_ids``
 the (adapter, local expert) groups of :func:`moelab.permutation.adapter_expert_groups`, read from the ids in the
@@ -113,10 +115,18 @@ def _histogram(g, counts_ptr, G_BINS: tl.constexpr, ATOMIC: tl.constexpr):
 
 
 @jit
-def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, num_slots, offset, num_groups,
-                           adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
-                           PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr):
+def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slot_ptr, num_slots, offset, num_groups,
+                           num_rows, rows_per_chunk, adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr,
+                           G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr,
+                           USE_GDC: tl.constexpr = False):
+    """Each chunk's histogram and its exclusive scan over groups; also the -1 fill of this chunk's share of
+    ``row_to_slot`` (the padding rows; the scatter, a later launch, writes the live ones)."""
+    wait_for_previous_kernel(USE_GDC)
     chunk = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    r_end = tl.minimum((chunk + 1) * rows_per_chunk, num_rows)
+    for r0 in range(chunk * rows_per_chunk, r_end, CHUNK):
+        tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < r_end)
     g = _load_groups(values_ptr, chunk * CHUNK + tl.arange(0, CHUNK), num_slots, offset, num_groups, G_BINS - 1,
                      PACKED, adapter_ptr, top_k, num_experts, BY_ADAPTER)
     hist = _histogram(g, hist_ptr + chunk * G_BINS, G_BINS, ATOMIC)
@@ -128,10 +138,13 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, num_slots,
 
 @jit
 def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, num_groups,
-                          TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr):
-    """The scan over chunks of BG bins a program. One program (BG = G_BINS) also writes the segment starts; else
-    each writes its bins' padded counts there, and :func:`_segments_prefix_kernel` scans them (one program over
-    8192 bins of 128 chunks took 91 µs on the H200)."""
+                          TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr,
+                          USE_GDC: tl.constexpr = False):
+    """The scan over chunks of BG bins a program (past ``BISECT_BINS`` bins: up to them the scatter scans its own
+    chunk's share). One program (BG = G_BINS) also writes the segment starts; else each writes its bins' padded
+    counts there, and :func:`_segments_prefix_kernel` scans them (one program over 8192 bins of 128 chunks took 91 µs
+    on the H200)."""
+    wait_for_previous_kernel(USE_GDC)
     bins = tl.program_id(0) * BG + tl.arange(0, BG)
     carry = tl.zeros((BG,), dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
@@ -151,8 +164,9 @@ def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, n
 
 
 @jit
-def _segments_prefix_kernel(seg_start_ptr, G_BINS: tl.constexpr):
+def _segments_prefix_kernel(seg_start_ptr, G_BINS: tl.constexpr, USE_GDC: tl.constexpr = False):
     """The padded counts in ``seg_start_ptr`` int32 [G_BINS] -> the segment starts (their exclusive scan)."""
+    wait_for_previous_kernel(USE_GDC)
     bins = tl.arange(0, G_BINS)
     padded = tl.load(seg_start_ptr + bins)
     tl.store(seg_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
@@ -163,15 +177,36 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
                              slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset, num_groups,
                              num_blocks, blocks_per_chunk, adapter_ptr, top_k, num_experts, TILE: tl.constexpr,
                              CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
-                             BY_ADAPTER: tl.constexpr, BISECT: tl.constexpr):
+                             BY_ADAPTER: tl.constexpr, BISECT: tl.constexpr, hist_ptr=None, num_chunks=1,
+                             SCAN: tl.constexpr = False, SCAN_CB: tl.constexpr = 1, USE_GDC: tl.constexpr = False):
+    """Sort the chunk and scatter its slots to their rows. With SCAN (up to ``BISECT_BINS`` bins: no scan launch)
+    the program first scans the chunks' histograms ``hist_ptr`` [num_chunks, G_BINS] itself, SCAN_CB chunks a step:
+    where its chunk starts inside each group and the segment starts, written to its own row of ``chunk_base_ptr``
+    (the base of each group's rows, ``seg_start + chunk_base``) and read back by the scatter's gathers."""
+    wait_for_previous_kernel(USE_GDC)
     chunk = tl.program_id(0)
     bins = tl.arange(0, G_BINS)
-    # This chunk's share of the tile -> group map (one program for all tiles took 45 µs at T=16384 on the H200).
-    if BISECT:
-        seg_end = bins  # unused: the bisection reads seg_start itself
+    if SCAN:
+        before = tl.zeros((G_BINS,), dtype=tl.int32)  # slots of each group in the chunks before this one
+        counts = tl.zeros((G_BINS,), dtype=tl.int32)
+        for c0 in range(0, num_chunks, SCAN_CB):
+            chunks = c0 + tl.arange(0, SCAN_CB)
+            h = tl.load(hist_ptr + chunks[:, None] * G_BINS + bins[None, :], mask=(chunks < num_chunks)[:, None],
+                        other=0)
+            before += tl.sum(tl.where((chunks < chunk)[:, None], h, 0), axis=0)
+            counts += tl.sum(h, axis=0)
+        padded = (tl.where(bins < num_groups, counts, 0) + TILE - 1) // TILE * TILE
+        seg_end = tl.cumsum(padded, axis=0)
+        total = tl.sum(padded, axis=0)
+        tl.store(chunk_base_ptr + chunk * G_BINS + bins, seg_end - padded + before)
+        tl.debug_barrier()  # the bases visible to every thread of the program before the gathers below
     else:
-        seg_end = tl.load(seg_start_ptr + bins + 1, mask=bins + 1 < G_BINS, other=0)  # seg_start[g+1], g < G
-    total = tl.load(seg_start_ptr + G_BINS - 1)
+        if BISECT:
+            seg_end = bins  # unused: the bisection reads seg_start itself
+        else:
+            seg_end = tl.load(seg_start_ptr + bins + 1, mask=bins + 1 < G_BINS, other=0)  # seg_start[g+1], g < G
+        total = tl.load(seg_start_ptr + G_BINS - 1)
+    # This chunk's share of the tile -> group map (one program for all tiles took 45 µs at T=16384 on the H200).
     b_start = chunk * blocks_per_chunk
     _store_block_groups(block_group_ptr, seg_start_ptr, seg_end, bins, num_groups, total, b_start,
                         tl.minimum(b_start + blocks_per_chunk, num_blocks), TILE, CB, G_BINS, BISECT)
@@ -183,7 +218,10 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
     in_group = g_sorted < num_groups
     at = chunk * G_BINS + g_sorted
     rank = lane - tl.load(chunk_bin_start_ptr + at)  # earlier slots of my group in this chunk
-    base = tl.load(seg_start_ptr + g_sorted) + tl.load(chunk_base_ptr + at)
+    if SCAN:
+        base = tl.load(chunk_base_ptr + at)
+    else:
+        base = tl.load(seg_start_ptr + g_sorted) + tl.load(chunk_base_ptr + at)
     row = tl.where(in_group, base + rank, -1)
     slot = chunk * CHUNK + lane_sorted
     tl.store(slot_to_row_ptr + slot, row, mask=slot < num_slots)
@@ -291,7 +329,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                           packed: bool = False, adapter_ids: torch.Tensor | None = None,
                           num_experts: int | None = None, pdl: dict | None = None) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in one Triton launch up to
-    ``MAX_CHUNK`` slots, else three (four past ``BISECT_BINS`` bins).
+    ``MAX_CHUNK`` slots, else two (four past ``BISECT_BINS`` bins).
 
     Args:
         values: int32/int64 [N] (e.g. flattened global expert ids, ``offset`` the EP window's first id), or
@@ -335,27 +373,31 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
         return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     device = values.device
+    pdl = _runtime.pdl_launch(device) if pdl is None else pdl
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk, warps = MAX_CHUNK, 4
     num_chunks = cdiv(n, chunk)
-    many = g_bins > BISECT_BINS  # the scan over BG bins a program and the atomic histogram (the map: below)
+    many = g_bins > BISECT_BINS  # the scan launch(es) over BG bins a program and the atomic histogram (the map: below)
     bg = SCAN_BINS if many else g_bins
     scratch_size = 3 * num_chunks * g_bins + g_bins
     buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
     slot_to_row, row_to_slot, block_group, scratch = buf.split_with_sizes([n, rows, rows // tile, scratch_size])
-    row_to_slot.fill_(-1)  # padding rows stay -1
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split_with_sizes([num_chunks * g_bins] * 3 + [g_bins])
-    _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, n, offset, num_groups, **adapters,
-                                          CHUNK=chunk, G_BINS=g_bins, PACKED=packed, ATOMIC=many, num_warps=warps)
-    _segments_scan_kernel[(g_bins // bg,)](hist, chunk_base, seg_start, num_chunks, num_groups,
-                                           TILE=tile, G_BINS=g_bins, CB=max(1, 4096 // bg), BG=bg, num_warps=4)
+    _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, row_to_slot, n, offset, num_groups, rows,
+                                          cdiv(rows, num_chunks), **adapters, CHUNK=chunk, G_BINS=g_bins,
+                                          PACKED=packed, ATOMIC=many, num_warps=warps, **pdl)
+    scan = {}  # up to BISECT_BINS bins each scatter program scans the histograms itself (one launch fewer)
     if many:
-        _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8)
+        _segments_scan_kernel[(g_bins // bg,)](hist, chunk_base, seg_start, num_chunks, num_groups, TILE=tile,
+                                               G_BINS=g_bins, CB=max(1, 4096 // bg), BG=bg, num_warps=4, **pdl)
+        _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8, **pdl)
+    else:
+        scan = dict(hist_ptr=hist, num_chunks=num_chunks, SCAN=True, SCAN_CB=max(1, 4096 // g_bins))
     num_blocks = rows // tile
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
-                                            G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
-                                            num_warps=warps)
+                                            G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins), **scan,
+                                            num_warps=warps, **pdl)
     return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
