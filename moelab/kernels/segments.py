@@ -17,7 +17,8 @@ Up to one chunk (1024 slots: every decode batch) a single program does all three
 each launch costs tens of microseconds of host time, more than the work. Past ``BISECT_BINS`` bins (the LoRA
 groupings of 8 and more adapters) the steps take the ways that scale with the groups: atomic histograms, the scan
 as launches of its own (programs of ``SCAN_BINS`` bins and one for the segment starts), the tile -> group map by
-bisection. In a CUDA graph on Hopper the launches are chained by programmatic dependent launch.
+bisection. In a CUDA graph on Hopper the one program takes programmatic dependent launch; the launches of more
+chunks do not: with it, 128 chunks (131072 slots) read 77 µs a graph replay against 25 without (H100, 2026-12-06).
 
 The groups are ``value - offset`` (a slot outside ``[0, G)`` belongs to no group: row -1), or with ``adapter_ids``
 the (adapter, local expert) groups of :func:`moelab.permutation.adapter_expert_groups`, read from the ids in the
@@ -97,6 +98,23 @@ def _store_block_groups(block_group_ptr, seg_start_ptr, seg_end, bins, num_group
 
 
 @jit
+def _store_group_tiles(block_group_ptr, seg_start, padded, bins, num_groups, total, num_blocks, TILE: tl.constexpr,
+                       CB: tl.constexpr):
+    """block_group [num_blocks] as :func:`_store_block_groups` writes it, from the groups' side: each group writes
+    its own tiles (``padded[g] / TILE`` of them from ``seg_start[g] / TILE``), one tile of every group a step, and
+    the tiles past ``total`` live rows -1 (CB a step). Steps: the most tiles of any group, at most ``num_blocks``
+    (one program of up to ``MAX_CHUNK`` slots: 64 tiles of 16 rows). On the H100 the compare of every tile with
+    every bin took 6 µs of the one program's 18 at 1024 slots and 256 bins (``scripts/one_chunk_parts.py``)."""
+    first = seg_start // TILE
+    tiles = tl.where(bins < num_groups, padded // TILE, 0)
+    for j in range(0, tl.max(tiles, axis=0)):
+        tl.store(block_group_ptr + first + j, bins, mask=j < tiles)
+    for b0 in range(total // TILE, num_blocks, CB):
+        blocks = b0 + tl.arange(0, CB)
+        tl.store(block_group_ptr + blocks, tl.full((CB,), -1, tl.int32), mask=blocks < num_blocks)
+
+
+@jit
 def _histogram(g, counts_ptr, G_BINS: tl.constexpr, ATOMIC: tl.constexpr):
     """``tl.histogram(g, G_BINS)`` (int32 [G_BINS]); with ATOMIC counted by atomic adds into ``counts_ptr``
     int32 [G_BINS] (zeroed here first): tl.histogram's cost grows with the bins (on the H200 one program of 1024
@@ -117,11 +135,9 @@ def _histogram(g, counts_ptr, G_BINS: tl.constexpr, ATOMIC: tl.constexpr):
 @jit
 def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slot_ptr, num_slots, offset, num_groups,
                            num_rows, rows_per_chunk, adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr,
-                           G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr,
-                           USE_GDC: tl.constexpr = False):
+                           G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr):
     """Each chunk's histogram and its exclusive scan over groups; also the -1 fill of this chunk's share of
     ``row_to_slot`` (the padding rows; the scatter, a later launch, writes the live ones)."""
-    wait_for_previous_kernel(USE_GDC)
     chunk = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     r_end = tl.minimum((chunk + 1) * rows_per_chunk, num_rows)
@@ -138,13 +154,11 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slo
 
 @jit
 def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, num_groups,
-                          TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr,
-                          USE_GDC: tl.constexpr = False):
+                          TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr):
     """The scan over chunks of BG bins a program (past ``BISECT_BINS`` bins: up to them the scatter scans its own
     chunk's share). One program (BG = G_BINS) also writes the segment starts; else each writes its bins' padded
     counts there, and :func:`_segments_prefix_kernel` scans them (one program over 8192 bins of 128 chunks took 91 µs
     on the H200)."""
-    wait_for_previous_kernel(USE_GDC)
     bins = tl.program_id(0) * BG + tl.arange(0, BG)
     carry = tl.zeros((BG,), dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
@@ -164,9 +178,8 @@ def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, n
 
 
 @jit
-def _segments_prefix_kernel(seg_start_ptr, G_BINS: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _segments_prefix_kernel(seg_start_ptr, G_BINS: tl.constexpr):
     """The padded counts in ``seg_start_ptr`` int32 [G_BINS] -> the segment starts (their exclusive scan)."""
-    wait_for_previous_kernel(USE_GDC)
     bins = tl.arange(0, G_BINS)
     padded = tl.load(seg_start_ptr + bins)
     tl.store(seg_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
@@ -178,12 +191,11 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
                              num_blocks, blocks_per_chunk, adapter_ptr, top_k, num_experts, TILE: tl.constexpr,
                              CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
                              BY_ADAPTER: tl.constexpr, BISECT: tl.constexpr, hist_ptr=None, num_chunks=1,
-                             SCAN: tl.constexpr = False, SCAN_CB: tl.constexpr = 1, USE_GDC: tl.constexpr = False):
+                             SCAN: tl.constexpr = False, SCAN_CB: tl.constexpr = 1):
     """Sort the chunk and scatter its slots to their rows. With SCAN (up to ``BISECT_BINS`` bins: no scan launch)
     the program first scans the chunks' histograms ``hist_ptr`` [num_chunks, G_BINS] itself, SCAN_CB chunks a step:
     where its chunk starts inside each group and the segment starts, written to its own row of ``chunk_base_ptr``
     (the base of each group's rows, ``seg_start + chunk_base``) and read back by the scatter's gathers."""
-    wait_for_previous_kernel(USE_GDC)
     chunk = tl.program_id(0)
     bins = tl.arange(0, G_BINS)
     if SCAN:
@@ -263,8 +275,11 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
     for r0 in range(0, num_rows, CHUNK):
         tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < num_rows)
     tl.debug_barrier()  # row_base and seg_start visible to every thread, the -1 fill done before the live rows land
-    _store_block_groups(block_group_ptr, scratch_ptr + G_BINS, seg_end, bins, num_groups, total, 0, num_blocks, TILE,
-                        CB, G_BINS, BISECT)
+    if BISECT:
+        _store_block_groups(block_group_ptr, scratch_ptr + G_BINS, seg_end, bins, num_groups, total, 0, num_blocks,
+                            TILE, CB, G_BINS, BISECT)
+    else:
+        _store_group_tiles(block_group_ptr, seg_end - padded, padded, bins, num_groups, total, num_blocks, TILE, CHUNK)
     order = tl.sort(g * CHUNK + lane)
     g_sorted, slot = order // CHUNK, order % CHUNK
     in_group = g_sorted < num_groups
@@ -339,7 +354,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         adapter_ids: int [T] with ``values`` the expert ids of T tokens ([T*K]) and ``num_experts`` E_local: group
             by (adapter, local expert) instead, the groups of :func:`moelab.permutation.adapter_expert_groups` for
             ``G = L * E_local + 1`` (L adapters, the last group the slots of no adapter or no local expert).
-        pdl: the launch options of :func:`moelab._runtime.pdl_launch` (default: asked here).
+        pdl: the one program's launch options of :func:`moelab._runtime.pdl_launch` (default: asked here).
     """
     values = values.flatten()
     n = values.numel()
@@ -373,7 +388,6 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
         return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
     device = values.device
-    pdl = _runtime.pdl_launch(device) if pdl is None else pdl
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk, warps = MAX_CHUNK, 4
@@ -386,12 +400,12 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split_with_sizes([num_chunks * g_bins] * 3 + [g_bins])
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, row_to_slot, n, offset, num_groups, rows,
                                           cdiv(rows, num_chunks), **adapters, CHUNK=chunk, G_BINS=g_bins,
-                                          PACKED=packed, ATOMIC=many, num_warps=warps, **pdl)
+                                          PACKED=packed, ATOMIC=many, num_warps=warps)
     scan = {}  # up to BISECT_BINS bins each scatter program scans the histograms itself (one launch fewer)
     if many:
         _segments_scan_kernel[(g_bins // bg,)](hist, chunk_base, seg_start, num_chunks, num_groups, TILE=tile,
-                                               G_BINS=g_bins, CB=max(1, 4096 // bg), BG=bg, num_warps=4, **pdl)
-        _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8, **pdl)
+                                               G_BINS=g_bins, CB=max(1, 4096 // bg), BG=bg, num_warps=4)
+        _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8)
     else:
         scan = dict(hist_ptr=hist, num_chunks=num_chunks, SCAN=True, SCAN_CB=max(1, 4096 // g_bins))
     num_blocks = rows // tile
@@ -399,5 +413,5 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
                                             G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins), **scan,
-                                            num_warps=warps, **pdl)
+                                            num_warps=warps)
     return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
