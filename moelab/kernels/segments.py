@@ -308,6 +308,7 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
     if n == 0 or n > MAX_CHUNK or num_groups > MAX_GROUPS:
         return None
     sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
+    num_warps = min(num_warps, 4)  # the launch's other programs (the fused LoRA's shrinks) were tuned at 4
     # One allocation for every output and the scratch (each allocation is host time at decode sizes).
     slot_to_row, row_to_slot, block_group, scratch = torch.empty(
         total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
@@ -329,8 +330,9 @@ def _one_chunk_layout(n: int, num_groups: int, tile: int) -> tuple[tuple[int, ..
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk = next_pow2(n)
     sizes = (n, rows, rows // tile, 2 * g_bins if g_bins > BISECT_BINS else g_bins)
-    # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4
-    return sizes, sum(sizes), rows, chunk, g_bins, 4 if chunk > 256 else 2
+    # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4; on the H100 (scripts/segments_profile.py at db3bc8f),
+    # 1024 slots: 7.4 µs at 8 warps against 8.7 at 4 (128 experts), 6.8 against 7.7 (64)
+    return sizes, sum(sizes), rows, chunk, g_bins, 8 if chunk == MAX_CHUNK else 4 if chunk > 256 else 2
 
 
 def _block_group_map(g_bins: int) -> dict:
