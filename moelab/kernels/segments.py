@@ -107,8 +107,8 @@ def _store_group_tiles(block_group_ptr, seg_start, padded, bins, num_groups, tot
     every bin took 6 µs of the one program's 18 at 1024 slots and 256 bins (``scripts/one_chunk_parts.py``)."""
     first = seg_start // TILE
     tiles = tl.where(bins < num_groups, padded // TILE, 0)
-    for j in range(0, tl.max(tiles, axis=0)):
-        tl.store(block_group_ptr + first + j, bins, mask=j < tiles)
+    for j in range(0, tl.max(tiles, axis=0)):  # first + j < num_blocks: max_live_rows bounds the padded rows
+        tl.store(block_group_ptr + first + j, bins, mask=(j < tiles) & (first + j < num_blocks))
     for b0 in range(total // TILE, num_blocks, CB):
         blocks = b0 + tl.arange(0, CB)
         tl.store(block_group_ptr + blocks, tl.full((CB,), -1, tl.int32), mask=blocks < num_blocks)
