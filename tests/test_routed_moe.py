@@ -348,6 +348,20 @@ def test_triton_routed_moe_cuda_graph_capture_and_replay():
     assert_close_to_reference(out, ref, torch.bfloat16, "replayed graph")
 
 
+@pytest.mark.parametrize("N, G", [(5000, 8), (3000, 600)])
+def test_segments_past_the_scatters_own_scan_take_the_scan_launch(N, G, monkeypatch, device):
+    """Past SCAN_IN_SCATTER_MAX_COUNTS histogram counts the scan runs as a launch of its own: same segments."""
+    from moelab.kernels import segments
+    from moelab.permutation import build_segments
+
+    monkeypatch.setattr(segments, "SCAN_IN_SCATTER_MAX_COUNTS", 0)
+    values = torch.randint(-1, G + 5, (N,), dtype=torch.int32, device=device)
+    got = segments.build_segments_triton(values, G, 16)
+    want = build_segments(values.long(), G, 16)
+    for name in ("slot_to_row", "row_to_slot", "block_group"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 @pytest.mark.parametrize(
     "N, G, tile, offset, low, high",
     [

@@ -49,6 +49,11 @@ MAX_GROUPS = 8191
 #: BISECT_CB tiles at once (a compare of every tile with every group read 230 µs at 4097 groups, T = 1024, H200).
 BISECT_BINS = 1024
 SCAN_BINS = 256
+#: Up to BISECT_BINS bins each scatter program scans the chunks' histograms itself (no scan launch) while they hold at
+#: most this many counts (chunks x bins): each program reads all of them, so their reads grow with the square of the
+#: chunks. Measured up to 128 chunks of 256 bins (Qwen3-30B-A3B T = 16384, H100: the segments 28.0 -> 25.2 µs a graph
+#: replay); beyond, the one-program scan launch runs as before.
+SCAN_IN_SCATTER_MAX_COUNTS = 128 * 256
 BISECT_CB = 256
 #: Slots one program sorts (the chunk); up to one chunk a single program builds the whole segments.
 MAX_CHUNK = 1024
@@ -103,8 +108,9 @@ def _store_group_tiles(block_group_ptr, seg_start, padded, bins, num_groups, tot
     """block_group [num_blocks] as :func:`_store_block_groups` writes it, from the groups' side: each group writes
     its own tiles (``padded[g] / TILE`` of them from ``seg_start[g] / TILE``), one tile of every group a step, and
     the tiles past ``total`` live rows -1 (CB a step). Steps: the most tiles of any group, at most ``num_blocks``
-    (one program of up to ``MAX_CHUNK`` slots: 64 tiles of 16 rows). On the H100 the compare of every tile with
-    every bin took 6 µs of the one program's 18 at 1024 slots and 256 bins (``scripts/one_chunk_parts.py``)."""
+    (up to ``MAX_CHUNK`` slots: 64 when all of them are in one group of 16-row tiles). On the H100 the compare of
+    every tile with every bin took 6 µs of the one program's 18 at 1024 slots and 256 bins
+    (``scripts/one_chunk_parts.py``)."""
     first = seg_start // TILE
     tiles = tl.where(bins < num_groups, padded // TILE, 0)
     for j in range(0, tl.max(tiles, axis=0)):  # first + j < num_blocks: max_live_rows bounds the padded rows
@@ -403,12 +409,13 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, row_to_slot, n, offset, num_groups, rows,
                                           cdiv(rows, num_chunks), **adapters, CHUNK=chunk, G_BINS=g_bins,
                                           PACKED=packed, ATOMIC=many, num_warps=warps)
-    scan = {}  # up to BISECT_BINS bins each scatter program scans the histograms itself (one launch fewer)
-    if many:
+    scan = {}
+    if many or num_chunks * g_bins > SCAN_IN_SCATTER_MAX_COUNTS:
         _segments_scan_kernel[(g_bins // bg,)](hist, chunk_base, seg_start, num_chunks, num_groups, TILE=tile,
                                                G_BINS=g_bins, CB=max(1, 4096 // bg), BG=bg, num_warps=4)
-        _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8)
-    else:
+        if many:
+            _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8)
+    else:  # each scatter program scans the histograms itself (one launch fewer)
         scan = dict(hist_ptr=hist, num_chunks=num_chunks, SCAN=True, SCAN_CB=max(1, 4096 // g_bins))
     num_blocks = rows // tile
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
