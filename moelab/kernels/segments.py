@@ -8,7 +8,8 @@ time at T=1 and 830 µs at T=16384 (Qwen3 shapes), more than the MoE layer itsel
              groups (where each group's slots start inside the chunk once the chunk is sorted); the -1 fill of
              its share of row_to_slot
     scan     exclusive scan of the histograms over chunks (where each chunk starts inside each group), group
-             counts -> tile-padded segment starts: done by each scatter program for its own chunk
+             counts -> tile-padded segment starts: done by each scatter program for its own chunk, a launch of
+             its own past ``SCAN_IN_SCATTER_MAX_COUNTS`` histogram counts
     scatter  one program per chunk: sort the chunk by (group, slot), then
              row = seg_start[g] + chunk_base[chunk, g] + (position in sorted chunk - chunk_bin_start[chunk, g]);
              and the group of its share of the tiles of rows
@@ -161,8 +162,9 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slo
 @jit
 def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, num_groups,
                           TILE: tl.constexpr, G_BINS: tl.constexpr, CB: tl.constexpr, BG: tl.constexpr):
-    """The scan over chunks of BG bins a program (past ``BISECT_BINS`` bins: up to them the scatter scans its own
-    chunk's share). One program (BG = G_BINS) also writes the segment starts; else each writes its bins' padded
+    """The scan over chunks of BG bins a program (past ``BISECT_BINS`` bins or ``SCAN_IN_SCATTER_MAX_COUNTS``
+    counts: below both the scatter scans its own chunk's share). One program (BG = G_BINS) also writes the segment
+    starts; else each writes its bins' padded
     counts there, and :func:`_segments_prefix_kernel` scans them (one program over 8192 bins of 128 chunks took 91 µs
     on the H200)."""
     bins = tl.program_id(0) * BG + tl.arange(0, BG)
@@ -198,7 +200,8 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
                              CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
                              BY_ADAPTER: tl.constexpr, BISECT: tl.constexpr, hist_ptr=None, num_chunks=1,
                              SCAN: tl.constexpr = False, SCAN_CB: tl.constexpr = 1):
-    """Sort the chunk and scatter its slots to their rows. With SCAN (up to ``BISECT_BINS`` bins: no scan launch)
+    """Sort the chunk and scatter its slots to their rows. With SCAN (up to ``BISECT_BINS`` bins and
+    ``SCAN_IN_SCATTER_MAX_COUNTS`` counts: no scan launch)
     the program first scans the chunks' histograms ``hist_ptr`` [num_chunks, G_BINS] itself, SCAN_CB chunks a step:
     where its chunk starts inside each group and the segment starts, written to its own row of ``chunk_base_ptr``
     (the base of each group's rows, ``seg_start + chunk_base``) and read back by the scatter's gathers."""
