@@ -1,0 +1,193 @@
+"""GEMM2 of the routed MoE as a warp-specialised, persistent Hopper kernel in Gluon (Triton's tile-level dialect).
+
+    y[p] = act[p] @ W2[e]^T        act [R, I] (GEMM1's output rows), W2 [E_local, H, I], y [R, H]
+
+The same product as :func:`moelab.kernels.moe_gemm.gemm2` without a bias or a LoRA bank, for the compute-bound
+regime (128-row tiles), where Triton's own compilation of ``_gemm2_kernel`` leaves the tensor cores idle while a
+tile's loads and its epilogue run (Triton 3.6 gives sm_90 no warp specialisation). Here one program per SM walks
+the output tiles (row tile by row tile, each sweeping its column blocks). In it:
+
+- a **load partition** (one warp) streams each tile's act and W2 blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]
+  through TMA into a ring of ``STAGES`` shared-memory slots, one ``ready`` mbarrier a slot (the TMA's byte count
+  completes it) and one ``empty`` mbarrier a slot (the MMA partition frees it);
+- the **MMA partition** (the kernel's ``num_warps`` = 8: two warpgroups, 64 rows each) waits for each slot, runs
+  ``wgmma`` into fp32 accumulators with one MMA in flight, frees the slot behind it, and after a tile's last K step
+  rounds the tile into shared memory and stores it with a TMA store that runs on while the next tile's MMAs start.
+
+Tiles past the live rows (expert -1) are written with ``DEAD_FILL`` and read no weight, as in ``_gemm2_kernel``.
+Runs on sm_90 only (``wgmma``): :func:`takes_gluon_gemm2` says when a call can take it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from moelab import _runtime
+from moelab.permutation import Segments, cdiv
+
+try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbarriers
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # an older Triton: the Triton kernels serve every call
+    gluon = None
+
+__all__ = ["GLUON_GEMM2", "gemm2_ws", "takes_gluon_gemm2"]
+
+#: The Gluon GEMM2 on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernel everywhere.
+GLUON_GEMM2: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
+#: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM2: 3 stages of 48 KB and a 64 KB epilogue tile fit 227 KB.
+GEMM2_WS_TILE = (256, 64, 3)
+
+if gluon is not None:
+    # Triton 3.6 (the H200's) and 3.9 spell three builtins differently: the barrier across a partition's warps and
+    # the TMA copies into and out of shared memory
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @gluon.jit
+    def _tile_expert(block_group_ptr, t, num_n, num_live_blocks):
+        """(row tile, column block, local expert) of output tile ``t``; expert -1: past the live rows."""
+        pid_m = t // num_n
+        pid_n = t % num_n
+        expert = -1
+        if pid_m < num_live_blocks:
+            expert = gl.load(block_group_ptr + pid_m)
+        return pid_m, pid_n, expert
+
+    @gluon.jit
+    def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
+                              num_tiles, num_n, k_steps, H):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        it = 0  # K steps issued so far: slot it % STAGES, its (it // STAGES)-th use
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+            if expert >= 0:
+                w_row = expert * H + pid_n * BLOCK_N
+                for k in range(k_steps):
+                    slot = it % STAGES
+                    # a fresh barrier passes a wait on parity 1: the first round finds every slot free
+                    mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    _tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
+                    _tma_load(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
+                    it += 1
+
+    @gluon.jit
+    def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
+                             num_tiles, num_n, k_steps, DEAD_FILL: gl.constexpr, NUM_WARPS: gl.constexpr):
+        BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        # wgmma m64nNk16 per warpgroup: the warps stack along the rows, each warpgroup 64 of them
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+            acc = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
+            if expert >= 0:
+                for k in range(k_steps):
+                    slot = it % STAGES
+                    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                    acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
+                                        use_acc=k > 0, is_async=True)
+                    # one MMA in flight: the previous step's is done, so its slot goes back to the loads
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    if k > 0:
+                        _partition_barrier()  # both warpgroups past their wait
+                        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                    it += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _partition_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            tma.store_wait(pendings=0)  # the last tile's store has read out_smem
+            _partition_barrier()
+            out_smem.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            _partition_barrier()
+            _tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
+                         STAGES: gl.constexpr, DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        num_n = gl.cdiv(H, BLOCK_N)
+        num_tiles = gl.cdiv(num_rows, BLOCK_M) * num_n
+        k_steps = gl.cdiv(I, BLOCK_K)
+        gl.warp_specialize([
+            (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
+                                    num_live_blocks, num_tiles, num_n, k_steps, DEAD_FILL, num_warps)),
+            (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
+                                     num_live_blocks, num_tiles, num_n, k_steps, H)),
+        ], [1], [40])
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over 2-D ``t`` in ``block`` tiles (128-byte swizzled, zero-filled past the edges)."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def takes_gluon_gemm2(block_m: int, act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON_GEMM2`` on, an sm_90 GPU (wgmma), 128-row tiles,
+    bf16/fp16, contiguous ``w2`` and TMA-able ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
+    if not GLUON_GEMM2 or block_m != 128 or _runtime.INTERPRET or w2.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(w2.device) != (9, 0) or act.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return w2.is_contiguous() and all(
+        t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (act, out, w2.view(-1, w2.shape[-1])))
+
+
+def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, block_m: int = 128,
+             tile: tuple[int, int, int] = GEMM2_WS_TILE, dead_fill: float = 0.0) -> torch.Tensor:
+    """``out`` [R, H] = ``act`` [R, I] @ ``w2`` [E_local, H, I]^T per row tile's expert, over the rows ``segments``
+    reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES). Check :func:`takes_gluon_gemm2` first."""
+    E_local, H, I = w2.shape
+    reach = segments.row_to_slot.numel()
+    block_n, block_k, stages = tile
+    a_desc = _descriptor(act[:reach], [block_m, block_k])
+    w_desc = _descriptor(w2.view(E_local * H, I), [block_n, block_k])
+    out_desc = _descriptor(out[:reach], [block_m, block_n])
+    num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
+    grid = (min(num_tiles, _multiprocessors(w2.device)),)
+    _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
+                           I, STAGES=stages, DEAD_FILL=dead_fill, num_warps=8)
+    return out
