@@ -1,15 +1,17 @@
 """GEMM2 alone on an sm_90 GPU: the Gluon warp-specialised persistent kernel (``moelab/kernels/gluon_gemm.py``)
-against the Triton kernel of the tile table (``moe_gemm.gemm2``), on the same rows, in one process.
+against the Triton kernels of the tile table (``moe_gemm.gemm1_swiglu`` and ``gemm2``), on the same rows, in one
+process.
 
     python scripts/gluon_ab.py                                   # five shapes, T = 1024, 4096, 16384
     python scripts/gluon_ab.py --shape qwen3-30b-a3b --tokens 16384 --tiles "256,64,3;128,64,4"
 
 For each shape and T: ``K`` distinct uniform experts per token, GEMM1's real activations on the table's 128-row
-tiles (points with smaller tiles are skipped), then GEMM2 by the Triton kernel (the reference output) and by the
-Gluon kernel at each ``--tiles`` entry (BLOCK_N, BLOCK_K, STAGES). Each Gluon output starts NaN-poisoned and must
-match the Triton kernel's on every row of the grid (live rows within 1e-2 relative error, padding and dead rows
-equal) before it is timed. Times: ``triton.testing.do_bench`` medians (L2 flushed), A B B A over the two kernels;
-TFLOP/s over the live rows (T * K rows of 2 * H * I FLOPs).
+tiles (points with smaller tiles are skipped); GEMM1 by the Triton kernel (the reference output) and by the Gluon
+kernel at each ``--gemm1-tiles`` entry, then GEMM2 likewise at each ``--tiles`` entry (BLOCK_N, BLOCK_K, STAGES).
+Each Gluon output starts NaN-poisoned and must match the Triton kernel's on every row of the grid (live rows
+within 1e-2 relative error, padding and dead rows equal) before it is timed. Times: ``triton.testing.do_bench``
+medians (L2 flushed), A B B A over the two kernels; TFLOP/s over the live rows (T * K rows of 2 * H * I FLOPs in
+GEMM2, twice that in GEMM1).
 """
 
 from __future__ import annotations
@@ -34,7 +36,32 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median") * 1e3
 
 
-def run_point(shape, T, w13, w2, tiles):
+def ab(label, triton_fn, gluon_fn, want, out, live, flops, tile, extra):
+    """One Gluon tile against the Triton kernel: the poisoned output checked, then A B B A timed; the row or None."""
+    try:
+        gluon_fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # a tile that does not compile or fit: recorded, not fatal
+        print(f"{label} tile {tile}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+    err = rel_err(out[live], want[live])
+    same_dead = torch.equal(out[~live], want[~live])
+    exact = torch.equal(out, want)
+    if not (err < 1e-2 and same_dead):
+        print(f"{label} tile {tile}: WRONG rel_err {err:.2e}, dead rows equal {same_dead}, "
+              f"NaN rows {int(out.isnan().any(1).sum())}", flush=True)
+        return None
+    t_a1, t_b1, t_b2, t_a2 = _time(triton_fn), _time(gluon_fn), _time(gluon_fn), _time(triton_fn)
+    tri, glu = statistics.mean((t_a1, t_a2)), statistics.mean((t_b1, t_b2))
+    row = dict(extra, tile=list(tile), triton_us=[t_a1, t_a2], gluon_us=[t_b1, t_b2], ratio=glu / tri, rel_err=err,
+               bitwise=exact, triton_tflops=flops / tri / 1e6, gluon_tflops=flops / glu / 1e6)
+    print(f"| {label} | {tile} | {tri:.1f} ({t_a1:.1f}, {t_a2:.1f}) | {glu:.1f} ({t_b1:.1f}, {t_b2:.1f}) | "
+          f"{glu / tri:.3f} | {row['triton_tflops']:.0f} / {row['gluon_tflops']:.0f} | "
+          f"{err:.1e}{' bitwise' if exact else ''} |", flush=True)
+    return row
+
+
+def run_point(shape, T, w13, w2, tiles, gemm1_tiles):
     E, K, H, I = shape.E, shape.K, shape.H, shape.I
     dev = w13.device
     x = torch.randn(T, H, device=dev).bfloat16()
@@ -53,32 +80,20 @@ def run_point(shape, T, w13, w2, tiles):
     live = seg.row_to_slot >= 0
     flops = 2.0 * T * K * H * I
     rows = []
-    triton_fn = lambda: moe_gemm.gemm2(act, w2, want, seg, config=table)  # noqa: E731
+    point = dict(shape=shape.name, T=T, triton_config=list(table.__dict__.values()))
+    want1 = act.clone()
+    for tile in gemm1_tiles:
+        out = torch.full_like(act, float("nan"))
+        row = ab(f"{shape.name} | {T} | gemm1", lambda: moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table),
+                 lambda tile=tile, out=out: gluon_gemm.gemm1_swiglu_ws(x, w13, out, seg, top_k=K, tile=tile),
+                 want1, out, live, 2 * flops, tile, dict(point, gemm="gemm1"))
+        rows += [row] if row else []
     for tile in tiles:
         out = torch.full((reach, H), float("nan"), dtype=torch.bfloat16, device=dev)
-        try:
-            gluon_gemm.gemm2_ws(act, w2, out, seg, tile=tile)
-            torch.cuda.synchronize()
-        except Exception as e:  # a tile that does not compile or fit: recorded, not fatal
-            print(f"{shape.name} T={T} tile {tile}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        err = rel_err(out[live], want[live])
-        same_dead = torch.equal(out[~live], want[~live])
-        exact = torch.equal(out, want)
-        if not (err < 1e-2 and same_dead):
-            print(f"{shape.name} T={T} tile {tile}: WRONG rel_err {err:.2e}, dead rows equal {same_dead}, "
-                  f"NaN rows {int(out.isnan().any(1).sum())}", flush=True)
-            continue
-        gluon_fn = lambda tile=tile, out=out: gluon_gemm.gemm2_ws(act, w2, out, seg, tile=tile)  # noqa: E731
-        t_a1, t_b1, t_b2, t_a2 = _time(triton_fn), _time(gluon_fn), _time(gluon_fn), _time(triton_fn)
-        tri, glu = statistics.mean((t_a1, t_a2)), statistics.mean((t_b1, t_b2))
-        row = dict(shape=shape.name, T=T, tile=list(tile), triton_config=list(table.__dict__.values()),
-                   triton_us=[t_a1, t_a2], gluon_us=[t_b1, t_b2], ratio=glu / tri, rel_err=err, bitwise=exact,
-                   triton_tflops=flops / tri / 1e6, gluon_tflops=flops / glu / 1e6)
-        rows.append(row)
-        print(f"| {shape.name} | {T} | {tile} | {tri:.1f} ({t_a1:.1f}, {t_a2:.1f}) | {glu:.1f} ({t_b1:.1f}, "
-              f"{t_b2:.1f}) | {glu / tri:.3f} | {row['triton_tflops']:.0f} / {row['gluon_tflops']:.0f} | "
-              f"{err:.1e}{' bitwise' if exact else ''} |", flush=True)
+        row = ab(f"{shape.name} | {T} | gemm2", lambda: moe_gemm.gemm2(act, w2, want, seg, config=table),
+                 lambda tile=tile, out=out: gluon_gemm.gemm2_ws(act, w2, out, seg, tile=tile),
+                 want, out, live, flops, tile, dict(point, gemm="gemm2"))
+        rows += [row] if row else []
     return rows
 
 
@@ -87,12 +102,14 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b;mixtral")
     p.add_argument("--tokens", default="1024,4096,16384")
     p.add_argument("--tiles", default="256,64,3;128,64,4", help="BLOCK_N,BLOCK_K,STAGES entries separated by ';'")
+    p.add_argument("--gemm1-tiles", default="128,64,3;128,64,4", help="GEMM1's tiles, as --tiles ('' for none)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";")]
+    tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";") if t]
+    gemm1_tiles = [tuple(int(v) for v in t.split(",")) for t in a.gemm1_tiles.split(";") if t]
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| shape | T | Gluon tile | Triton µs (A1, A2) | Gluon µs (B1, B2) | Gluon / Triton | TFLOP/s T / G | "
-          "rel err |\n|---|---|---|---|---|---|---|---|", flush=True)
+    print("| shape | T | GEMM | Gluon tile | Triton µs (A1, A2) | Gluon µs (B1, B2) | Gluon / Triton | TFLOP/s T / G | "
+          "rel err |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for spec in _split_shapes(a.shape):
         shape = get_shape(spec)
@@ -100,7 +117,7 @@ def main(argv=None):
         w13 = (torch.randn(shape.E, 2 * shape.I, shape.H, device="cuda", generator=g) * 0.02).bfloat16()
         w2 = (torch.randn(shape.E, shape.H, shape.I, device="cuda", generator=g) * 0.02).bfloat16()
         for T in (int(t) for t in a.tokens.split(",")):
-            rows += run_point(shape, T, w13, w2, tiles)
+            rows += run_point(shape, T, w13, w2, tiles, gemm1_tiles)
         del w13, w2
         torch.cuda.empty_cache()
     if a.json:

@@ -32,6 +32,7 @@ try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbar
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         tma,
@@ -42,19 +43,23 @@ try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbar
 except ImportError:  # an older Triton: the Triton kernels serve every call
     gluon = None
 
-__all__ = ["GLUON_GEMM2", "gemm2_ws", "takes_gluon_gemm2"]
+__all__ = ["GLUON_GEMM2", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2"]
 
 #: The Gluon GEMM2 on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernel everywhere.
 GLUON_GEMM2: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
 #: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM2: 3 stages of 48 KB and a 64 KB epilogue tile fit 227 KB.
 GEMM2_WS_TILE = (256, 64, 3)
+#: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM1: BLOCK_N columns of gate and of up (two accumulators), stages of
+#: 48 KB (the gathered rows, a gate and an up tile) and a 32 KB epilogue tile.
+GEMM1_WS_TILE = (128, 64, 3)
 
 if gluon is not None:
-    # Triton 3.6 (the H200's) and 3.9 spell three builtins differently: the barrier across a partition's warps and
-    # the TMA copies into and out of shared memory
+    # Triton 3.6 (the H200's) and 3.9 spell four builtins differently: the barrier across a partition's warps and
+    # the TMA copies into and out of shared memory, and cp.async
     _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
     def _tile_expert(block_group_ptr, t, num_n, num_live_blocks):
@@ -148,6 +153,122 @@ if gluon is not None:
                                      num_live_blocks, num_tiles, num_n, k_steps, H)),
         ], [1], [40])
 
+    @gluon.jit
+    def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
+                              block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, H, I):
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        # the gathered input rows: 16-byte copies, a row's BLOCK_K columns across neighbouring threads (4 warps)
+        gather: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [4, 1], [1, 0])
+        tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
+        ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+            if expert >= 0:
+                slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
+                row_ok = slots >= 0
+                x_rows = x_ptr + gl.where(row_ok, slots // top_k, 0).to(gl.int64)[:, None] * stride_x
+                gate_row = expert * (2 * I) + pid_n * BLOCK_N
+                for k in range(k_steps):
+                    slot = it % STAGES
+                    mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)  # the TMA's share of the slot's 2 arrivals
+                    _tma_load(w_desc, [gate_row, k * BLOCK_K], bar, g_bufs.index(slot))
+                    _tma_load(w_desc, [gate_row + I, k * BLOCK_K], bar, u_bufs.index(slot))
+                    # H is a multiple of BLOCK_K (takes_gluon_gemm1): the rows' mask alone, 16-byte copies
+                    _cp_async(a_bufs.index(slot), x_rows + (k * BLOCK_K + ks)[None, :], mask=row_ok[:, None])
+                    async_copy.commit_group()
+                    if it > 0:  # the previous step's rows have landed: hand them to the MMAs (its 2nd arrival)
+                        _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                    it += 1
+        if it > 0:
+            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 0)
+
+    @gluon.jit
+    def _rows_landed(bar, OUTSTANDING: gl.constexpr):
+        """Wait for this thread's row copies but the last OUTSTANDING groups, make them visible to wgmma (the async
+        proxy), and arrive on ``bar`` once every warp of the partition has."""
+        async_copy.wait_group(OUTSTANDING)
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(bar)
+
+    @gluon.jit
+    def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
+                             block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, DEAD_FILL: gl.constexpr,
+                             NUM_WARPS: gl.constexpr):
+        BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        it = 0
+        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+            act = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
+            if expert >= 0:
+                row_ok = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows) >= 0
+                acc_gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+                acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+                for k in range(k_steps):
+                    slot = it % STAGES
+                    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                    a = a_bufs.index(slot)
+                    acc_gate = warpgroup_mma(a, g_bufs.index(slot).permute((1, 0)), acc_gate, use_acc=k > 0,
+                                             is_async=True)
+                    acc_up = warpgroup_mma(a, u_bufs.index(slot).permute((1, 0)), acc_up, use_acc=k > 0,
+                                           is_async=True)
+                    acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc_gate, acc_up))
+                    if k > 0:
+                        _partition_barrier()
+                        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                    it += 1
+                acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
+                _partition_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                act = gl.where(row_ok[:, None], acc_gate / (1.0 + gl.exp(-acc_gate)) * acc_up, DEAD_FILL)  # SwiGLU
+            tma.store_wait(pendings=0)
+            _partition_barrier()
+            out_smem.store(act.to(out_desc.dtype))
+            fence_async_shared()
+            _partition_barrier()
+            _tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
+                                num_live_blocks, num_rows, H, I, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
+        BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        dtype: gl.constexpr = w_desc.dtype
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        u_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        out_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=2)  # the weights' TMA bytes and the gathered rows
+            mbarrier.init(empty.index(i), count=1)
+        num_n = gl.cdiv(I, BLOCK_N)
+        num_tiles = gl.cdiv(num_rows, BLOCK_M) * num_n
+        k_steps = gl.cdiv(H, BLOCK_K)
+        gl.warp_specialize([
+            (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
+                                    block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, DEAD_FILL,
+                                    num_warps)),
+            (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
+                                     ready, empty, block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, H,
+                                     I)),
+        ], [4], [88])
+
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
@@ -158,10 +279,14 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor over 2-D ``t`` in ``block`` tiles (128-byte swizzled, zero-filled past the edges)."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
 def takes_gluon_gemm2(block_m: int, act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> bool:
@@ -191,3 +316,33 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
                            I, STAGES=stages, DEAD_FILL=dead_fill, num_warps=8)
     return out
+
+
+def takes_gluon_gemm1(block_m: int, x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor) -> bool:
+    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out the delta, a bias, a
+    LoRA bank, other activations and weights on the input): as :func:`takes_gluon_gemm2`, and ``x`` rows of 16
+    bytes' multiples (its gathered copies are 16 bytes wide) and H a multiple of GEMM1_WS_TILE's BLOCK_K."""
+    return (takes_gluon_gemm2(block_m, act, w13, act) and w13.shape[-1] % GEMM1_WS_TILE[1] == 0
+            and x.dtype == w13.dtype == act.dtype and x.stride(-1) == 1
+            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
+                    block_m: int = 128, tile: tuple[int, int, int] = GEMM1_WS_TILE,
+                    dead_fill: float = 0.0) -> torch.Tensor:
+    """``act`` [R, I] = silu(x[t] @ W_gate[e]^T) * (x[t] @ W_up[e]^T) over the rows ``segments`` reaches (tile
+    ``block_m`` = 128; row p's token t = row_to_slot[p] // top_k), ``x`` [T, H], ``w13`` [E_local, 2I, H] ([gate;
+    up] rows); ``tile`` = (BLOCK_N, BLOCK_K, STAGES). Padding rows get ``dead_fill``. Check
+    :func:`takes_gluon_gemm1` first."""
+    E_local, two_i, H = w13.shape
+    I = two_i // 2
+    reach = segments.row_to_slot.numel()
+    block_n, block_k, stages = tile
+    w_desc = _descriptor(w13.view(E_local * two_i, H), [block_n, block_k])
+    out_desc = _descriptor(act[:reach], [block_m, block_n])
+    num_tiles = cdiv(reach, block_m) * cdiv(I, block_n)
+    grid = (min(num_tiles, _multiprocessors(w13.device)),)
+    _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
+                                  segments.block_group, segments.block_group.numel(), reach, H, I, BLOCK_K=block_k,
+                                  STAGES=stages, DEAD_FILL=dead_fill, num_warps=8)
+    return act

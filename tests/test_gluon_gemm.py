@@ -1,0 +1,132 @@
+"""The Gluon GEMMs of the routed MoE (``moelab/kernels/gluon_gemm.py``): warp-specialised persistent kernels that the
+triton backend runs on sm_90 GPUs for 128-row tiles.
+
+On any machine both kernels must compile for sm_90 with the installed Triton (no GPU needed: a Triton that renames
+a Gluon builtin fails here, not on a user's H100). On an sm_90 GPU, fresh random problems whose rows make 128-row
+tiles, sized off every tile (H not a multiple of GEMM2's 256 columns, I not one of GEMM1's 128, more tiles than SMs,
+experts with no rows and dead tiles), run through ``moe_gemm`` with NaN-poisoned outputs and in debug mode; each
+Gluon kernel must have run, and GEMM1's activations and GEMM2's rows must match float64 products of the same
+inputs, the padding rows NaN (debug mode's dead fill); the whole layer must match the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_to_reference, poison, random_topk_ids, random_weights
+
+import moelab
+from moelab import reference
+from moelab.kernels import gluon_gemm, moe_gemm
+from moelab.kernels.segments import build_segments_triton
+
+pytestmark = pytest.mark.skipif(gluon_gemm.gluon is None, reason="this Triton has no Gluon")
+
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _descriptor_type(block, dtype):
+    layout = gluon_gemm.gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+
+
+@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
+def test_gluon_kernels_compile_for_sm90(gemm, monkeypatch):
+    """Each Gluon kernel compiles to sm_90 PTX with wgmma, TMA and a warp-specialised register split."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    bf16, hint = gluon_gemm.gl.bfloat16, [["tt.divisibility", 16]]
+    if gemm == "gemm1":
+        block_n, block_k, stages = gluon_gemm.GEMM1_WS_TILE
+        kernel = gluon_gemm._gemm1_swiglu_ws_kernel
+        signature = {"x_ptr": "*bf16", "stride_x": "i32", "row_to_slot_ptr": "*i32", "top_k": "i32",
+                     "w_desc": _descriptor_type([block_n, block_k], bf16),
+                     "out_desc": _descriptor_type([128, block_n], bf16), "block_group_ptr": "*i32",
+                     "num_live_blocks": "i32", "num_rows": "i32", "H": "i32", "I": "i32", "BLOCK_K": "constexpr",
+                     "STAGES": "constexpr", "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
+        constexprs = {"BLOCK_K": block_k, "STAGES": stages, "DEAD_FILL": 0.0, "num_warps": 8}
+        attrs = {(i,): hint for i in (0, 1, 2, 6)}
+    else:
+        block_n, block_k, stages = gluon_gemm.GEMM2_WS_TILE
+        kernel = gluon_gemm._gemm2_ws_kernel
+        signature = {"a_desc": _descriptor_type([128, block_k], bf16),
+                     "w_desc": _descriptor_type([block_n, block_k], bf16),
+                     "out_desc": _descriptor_type([128, block_n], bf16), "block_group_ptr": "*i32",
+                     "num_live_blocks": "i32", "num_rows": "i32", "H": "i32", "I": "i32", "STAGES": "constexpr",
+                     "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
+        constexprs = {"STAGES": stages, "DEAD_FILL": 0.0, "num_warps": 8}
+        attrs = {(3,): hint}
+    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert compiled.metadata.shared <= 232448, "more shared memory than an sm_90 block may take"
+    if gemm == "gemm1":
+        assert "cp.async.cg.shared.global" in ptx, "GEMM1's gathered rows: 16-byte cp.async copies"
+
+
+def _problem(T, E, K, H, I, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16().cuda()
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16().cuda()
+    x = torch.randn(T, H, generator=g).bfloat16().cuda()
+    if skew:  # the first experts take every token: the others get no rows, the tile map has a dead tail
+        ids = torch.arange(K, dtype=torch.int32).repeat(T, 1).cuda()
+    else:
+        ids = random_topk_ids(T, K, E, generator=g, device="cuda")
+    return w13, w2, x, ids, random_weights(T, K, generator=g, device="cuda")
+
+
+#: (T, E, K, H, I, skew): 128-row tiles (more than 64 rows an expert), sizes off the Gluon tiles
+CASES = [(600, 4, 2, 384, 320, False), (8192, 8, 2, 512, 256, False), (1000, 16, 3, 256, 192, True)]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+@pytest.mark.parametrize("T,E,K,H,I,skew", CASES)
+def test_gluon_gemms_against_float64(T, E, K, H, I, skew, monkeypatch):
+    seed = hash((T, E, K, H, I, skew)) % 2**31
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed, skew)
+    config = moe_gemm.choose_config(T, K, E)
+    assert config.block_m == 128, "the case must make 128-row tiles"
+    calls = []
+    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
+        real = getattr(gluon_gemm, name)
+        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or
+                            _real(*a, **k))
+    packed = moelab.pack_topk_ids_weights(ids, weights)
+    seg = build_segments_triton(packed, E, config.block_m, packed=True)
+    reach = seg.row_to_slot.numel()
+    act = poison(torch.empty(reach, I, dtype=torch.bfloat16, device="cuda"))
+    out = poison(torch.empty(reach, H, dtype=torch.bfloat16, device="cuda"))
+    moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"))
+    moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"))
+    assert calls == ["gemm1_swiglu_ws", "gemm2_ws"], "the Gluon kernels did not run"
+    slots = seg.row_to_slot.long()
+    live = slots >= 0
+    rows = live.nonzero().squeeze(1)
+    experts = seg.block_group.long()[rows // config.block_m]
+    xs = x.double()[slots[live] // K]
+    gate = torch.einsum("rh,rih->ri", xs, w13.double()[experts, :I])
+    up = torch.einsum("rh,rih->ri", xs, w13.double()[experts, I:])
+    assert_close_to_reference(act[live].double(), torch.nn.functional.silu(gate) * up, torch.bfloat16, "act")
+    want = torch.einsum("ri,rhi->rh", act[live].double(), w2.double()[experts])
+    assert_close_to_reference(out[live].double(), want, torch.bfloat16, "gemm2")
+    assert act[~live].isnan().all() and out[~live].isnan().all(), "padding and dead rows: debug mode's NaN fill"
+
+    layer = moelab.prepare_weights(w13, w2, backend="triton")
+    got = moelab.routed_moe(packed, x, layer, num_experts=E, top_k=K, output=poison(torch.empty_like(x)))[0]
+    ref = reference.routed_moe(ids, reference.bf16_round(weights), x, w13, w2)["output"]
+    assert_close_to_reference(got, ref, torch.bfloat16, "output")
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+def test_gluon_switch_keeps_the_triton_kernels(monkeypatch):
+    """``GLUON_GEMM2`` off (``MOELAB_GLUON=0`` at import): the same call takes the Triton kernels."""
+    monkeypatch.setattr(gluon_gemm, "GLUON_GEMM2", False)
+    w13, w2, x, ids, weights = _problem(600, 4, 2, 384, 320, 1)
+    act = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")
+    assert not gluon_gemm.takes_gluon_gemm2(128, act, w2, act)
+    assert not gluon_gemm.takes_gluon_gemm1(128, x, w13, act)
