@@ -1,17 +1,17 @@
-"""GEMM2 alone on an sm_90 GPU: the Gluon warp-specialised persistent kernel (``moelab/kernels/gluon_gemm.py``)
-against the Triton kernels of the tile table (``moe_gemm.gemm1_swiglu`` and ``gemm2``), on the same rows, in one
-process.
+"""GEMM1 and GEMM2 alone on an sm_90 GPU: the Gluon warp-specialised persistent kernels
+(``moelab/kernels/gluon_gemm.py``) against the Triton kernels of the tile table (``moe_gemm.gemm1_swiglu`` and
+``gemm2`` with ``gluon_gemm.GLUON`` off), on the same rows, in one process.
 
     python scripts/gluon_ab.py                                   # five shapes, T = 1024, 4096, 16384
-    python scripts/gluon_ab.py --shape qwen3-30b-a3b --tokens 16384 --tiles "256,64,3;128,64,4"
+    python scripts/gluon_ab.py --shape qwen3-30b-a3b --tokens 16384 --tiles "256,64,3" --gemm1-tiles "128,64,4"
 
-For each shape and T: ``K`` distinct uniform experts per token, GEMM1's real activations on the table's 128-row
-tiles (points with smaller tiles are skipped); GEMM1 by the Triton kernel (the reference output) and by the Gluon
-kernel at each ``--gemm1-tiles`` entry, then GEMM2 likewise at each ``--tiles`` entry (BLOCK_N, BLOCK_K, STAGES).
-Each Gluon output starts NaN-poisoned and must match the Triton kernel's on every row of the grid (live rows
-within 1e-2 relative error, padding and dead rows equal) before it is timed. Times: ``triton.testing.do_bench``
-medians (L2 flushed), A B B A over the two kernels; TFLOP/s over the live rows (T * K rows of 2 * H * I FLOPs in
-GEMM2, twice that in GEMM1).
+For each shape and T: ``K`` distinct uniform experts per token, the segments on the table's 128-row tiles (points
+with smaller tiles are skipped), GEMM1's real activations; GEMM1 by the Triton kernel (the reference output) and by
+the Gluon kernel at each ``--gemm1-tiles`` entry, then GEMM2 likewise at each ``--tiles`` entry (BLOCK_N, BLOCK_K,
+STAGES), both in the table's tile order (its group_m). Each Gluon output starts NaN-poisoned and must match the
+Triton kernel's on every row of the grid (live rows within 1e-2 relative error, padding and dead rows equal) before
+it is timed. Times: ``triton.testing.do_bench`` medians (L2 flushed), A B B A over the two kernels; TFLOP/s over
+the live rows (T * K rows of 2 * H * I FLOPs in GEMM2, twice that in GEMM1).
 """
 
 from __future__ import annotations
@@ -30,6 +30,17 @@ from moelab.kernels.moe_gemm import choose_config
 from moelab.kernels.segments import build_segments_triton
 from moelab.lab import rel_err
 from moelab.roofline import get_shape
+
+
+def triton_only(fn):
+    """``fn`` with the Gluon kernels switched off: moe_gemm launches its Triton kernels."""
+    def run():
+        gluon_gemm.GLUON = False
+        try:
+            return fn()
+        finally:
+            gluon_gemm.GLUON = True
+    return run
 
 
 def _time(fn) -> float:
@@ -74,9 +85,9 @@ def run_point(shape, T, w13, w2, tiles, gemm1_tiles):
     seg = build_segments_triton(packed, E, table.block_m, packed=True)
     reach = seg.row_to_slot.numel()
     act = torch.zeros(reach, I, dtype=torch.bfloat16, device=dev)
-    moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table)
+    triton_only(lambda: moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table))()
     want = torch.empty(reach, H, dtype=torch.bfloat16, device=dev)
-    moe_gemm.gemm2(act, w2, want, seg, config=table)
+    triton_only(lambda: moe_gemm.gemm2(act, w2, want, seg, config=table))()
     live = seg.row_to_slot >= 0
     flops = 2.0 * T * K * H * I
     rows = []
@@ -84,14 +95,16 @@ def run_point(shape, T, w13, w2, tiles, gemm1_tiles):
     want1 = act.clone()
     for tile in gemm1_tiles:
         out = torch.full_like(act, float("nan"))
-        row = ab(f"{shape.name} | {T} | gemm1", lambda: moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table),
-                 lambda tile=tile, out=out: gluon_gemm.gemm1_swiglu_ws(x, w13, out, seg, top_k=K, tile=tile),
+        row = ab(f"{shape.name} | {T} | gemm1",
+                 triton_only(lambda: moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table)),
+                 lambda tile=tile, out=out: gluon_gemm.gemm1_swiglu_ws(x, w13, out, seg, top_k=K, tile=tile,
+                                                                        group_m=table.group_m),
                  want1, out, live, 2 * flops, tile, dict(point, gemm="gemm1"))
         rows += [row] if row else []
     for tile in tiles:
         out = torch.full((reach, H), float("nan"), dtype=torch.bfloat16, device=dev)
-        row = ab(f"{shape.name} | {T} | gemm2", lambda: moe_gemm.gemm2(act, w2, want, seg, config=table),
-                 lambda tile=tile, out=out: gluon_gemm.gemm2_ws(act, w2, out, seg, tile=tile),
+        row = ab(f"{shape.name} | {T} | gemm2", triton_only(lambda: moe_gemm.gemm2(act, w2, want, seg, config=table)),
+                 lambda tile=tile, out=out: gluon_gemm.gemm2_ws(act, w2, out, seg, tile=tile, group_m=table.group_m),
                  want, out, live, flops, tile, dict(point, gemm="gemm2"))
         rows += [row] if row else []
     return rows

@@ -11,6 +11,8 @@ inputs, the padding rows NaN (debug mode's dead fill); the whole layer must matc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import assert_close_to_reference, poison, random_topk_ids, random_weights
@@ -46,8 +48,8 @@ def test_gluon_kernels_compile_for_sm90(gemm, monkeypatch):
                      "w_desc": _descriptor_type([block_n, block_k], bf16),
                      "out_desc": _descriptor_type([128, block_n], bf16), "block_group_ptr": "*i32",
                      "num_live_blocks": "i32", "num_rows": "i32", "H": "i32", "I": "i32", "BLOCK_K": "constexpr",
-                     "STAGES": "constexpr", "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
-        constexprs = {"BLOCK_K": block_k, "STAGES": stages, "DEAD_FILL": 0.0, "num_warps": 8}
+                     "STAGES": "constexpr", "GROUP_M": "constexpr", "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
+        constexprs = {"BLOCK_K": block_k, "STAGES": stages, "GROUP_M": 8, "DEAD_FILL": 0.0, "num_warps": 8}
         attrs = {(i,): hint for i in (0, 1, 2, 6)}
     else:
         block_n, block_k, stages = gluon_gemm.GEMM2_WS_TILE
@@ -56,8 +58,8 @@ def test_gluon_kernels_compile_for_sm90(gemm, monkeypatch):
                      "w_desc": _descriptor_type([block_n, block_k], bf16),
                      "out_desc": _descriptor_type([128, block_n], bf16), "block_group_ptr": "*i32",
                      "num_live_blocks": "i32", "num_rows": "i32", "H": "i32", "I": "i32", "STAGES": "constexpr",
-                     "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
-        constexprs = {"STAGES": stages, "DEAD_FILL": 0.0, "num_warps": 8}
+                     "GROUP_M": "constexpr", "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
+        constexprs = {"STAGES": stages, "GROUP_M": 1, "DEAD_FILL": 0.0, "num_warps": 8}
         attrs = {(3,): hint}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
@@ -80,16 +82,17 @@ def _problem(T, E, K, H, I, seed, skew=False):
     return w13, w2, x, ids, random_weights(T, K, generator=g, device="cuda")
 
 
-#: (T, E, K, H, I, skew): 128-row tiles (more than 64 rows an expert), sizes off the Gluon tiles
-CASES = [(600, 4, 2, 384, 320, False), (8192, 8, 2, 512, 256, False), (1000, 16, 3, 256, 192, True)]
+#: (T, E, K, H, I, skew, group_m): 128-row tiles (more than 64 rows an expert), sizes off the Gluon tiles
+CASES = [(600, 4, 2, 384, 320, False, 1), (8192, 8, 2, 512, 256, False, 1), (8192, 8, 2, 512, 256, False, 8),
+         (1000, 16, 3, 256, 192, True, 1)]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
-@pytest.mark.parametrize("T,E,K,H,I,skew", CASES)
-def test_gluon_gemms_against_float64(T, E, K, H, I, skew, monkeypatch):
-    seed = hash((T, E, K, H, I, skew)) % 2**31
+@pytest.mark.parametrize("T,E,K,H,I,skew,group_m", CASES)
+def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, monkeypatch):
+    seed = hash((T, E, K, H, I, skew, group_m)) % 2**31
     w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed, skew)
-    config = moe_gemm.choose_config(T, K, E)
+    config = dataclasses.replace(moe_gemm.choose_config(T, K, E), group_m=group_m)
     assert config.block_m == 128, "the case must make 128-row tiles"
     calls = []
     for name in ("gemm1_swiglu_ws", "gemm2_ws"):
@@ -124,8 +127,8 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, monkeypatch):
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
 def test_gluon_switch_keeps_the_triton_kernels(monkeypatch):
-    """``GLUON_GEMM2`` off (``MOELAB_GLUON=0`` at import): the same call takes the Triton kernels."""
-    monkeypatch.setattr(gluon_gemm, "GLUON_GEMM2", False)
+    """``GLUON`` off (``MOELAB_GLUON=0`` at import): the same call takes the Triton kernels."""
+    monkeypatch.setattr(gluon_gemm, "GLUON", False)
     w13, w2, x, ids, weights = _problem(600, 4, 2, 384, 320, 1)
     act = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")
     assert not gluon_gemm.takes_gluon_gemm2(128, act, w2, act)

@@ -43,10 +43,10 @@ try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbar
 except ImportError:  # an older Triton: the Triton kernels serve every call
     gluon = None
 
-__all__ = ["GLUON_GEMM2", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2"]
+__all__ = ["GLUON", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2"]
 
-#: The Gluon GEMM2 on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernel everywhere.
-GLUON_GEMM2: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
+#: The Gluon GEMMs on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernels everywhere.
+GLUON: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
 #: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM2: 3 stages of 48 KB and a 64 KB epilogue tile fit 227 KB.
 GEMM2_WS_TILE = (256, 64, 3)
 #: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM1: BLOCK_N columns of gate and of up (two accumulators), stages of
@@ -62,10 +62,20 @@ if gluon is not None:
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
-    def _tile_expert(block_group_ptr, t, num_n, num_live_blocks):
-        """(row tile, column block, local expert) of output tile ``t``; expert -1: past the live rows."""
-        pid_m = t // num_n
-        pid_n = t % num_n
+    def _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M: gl.constexpr):
+        """(row tile, column block, local expert) of output tile ``t`` of num_m x num_n; expert -1: past the live
+        rows. GROUP_M = 1: each row tile sweeps its column blocks; else GROUP_M row tiles go down each column block
+        together (``moe_gemm._tile_of``'s order), so experts too large for the L2 read each weight block once for
+        GROUP_M row tiles."""
+        if GROUP_M == 1:
+            pid_m = t // num_n
+            pid_n = t % num_n
+        else:
+            per_group = GROUP_M * num_n
+            first_m = (t // per_group) * GROUP_M
+            size = gl.minimum(num_m - first_m, GROUP_M)
+            pid_m = first_m + (t % per_group) % size
+            pid_n = (t % per_group) // size
         expert = -1
         if pid_m < num_live_blocks:
             expert = gl.load(block_group_ptr + pid_m)
@@ -73,14 +83,14 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
-                              num_tiles, num_n, k_steps, H):
+                              num_m, num_n, k_steps, H, GROUP_M: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.shape[0]
         it = 0  # K steps issued so far: slot it % STAGES, its (it // STAGES)-th use
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
                 w_row = expert * H + pid_n * BLOCK_N
                 for k in range(k_steps):
@@ -95,7 +105,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
-                             num_tiles, num_n, k_steps, DEAD_FILL: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             num_m, num_n, k_steps, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
@@ -103,8 +114,8 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             acc = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
                 for k in range(k_steps):
@@ -131,7 +142,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
-                         STAGES: gl.constexpr, DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
+                         STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                         num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -143,19 +155,19 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(H, BLOCK_N)
-        num_tiles = gl.cdiv(num_rows, BLOCK_M) * num_n
         k_steps = gl.cdiv(I, BLOCK_K)
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
-                                    num_live_blocks, num_tiles, num_n, k_steps, DEAD_FILL, num_warps)),
+                                    num_live_blocks, num_m, num_n, k_steps, GROUP_M, DEAD_FILL, num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
-                                     num_live_blocks, num_tiles, num_n, k_steps, H)),
+                                     num_live_blocks, num_m, num_n, k_steps, H, GROUP_M)),
         ], [1], [40])
 
     @gluon.jit
     def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
-                              block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, H, I):
+                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, GROUP_M: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -165,8 +177,8 @@ if gluon is not None:
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
         it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
                 row_ok = slots >= 0
@@ -199,8 +211,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
-                             block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, DEAD_FILL: gl.constexpr,
-                             NUM_WARPS: gl.constexpr):
+                             block_group_ptr, num_live_blocks, num_m, num_n, k_steps, GROUP_M: gl.constexpr,
+                             DEAD_FILL: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
@@ -208,8 +220,8 @@ if gluon is not None:
                                                              instr_shape=[16, BLOCK_N, 16])
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         it = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_n, num_live_blocks)
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             act = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
                 row_ok = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows) >= 0
@@ -243,7 +255,7 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
                                 num_live_blocks, num_rows, H, I, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                                DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
+                                GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
@@ -257,16 +269,16 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=2)  # the weights' TMA bytes and the gathered rows
             mbarrier.init(empty.index(i), count=1)
+        num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(I, BLOCK_N)
-        num_tiles = gl.cdiv(num_rows, BLOCK_M) * num_n
         k_steps = gl.cdiv(H, BLOCK_K)
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
-                                    block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, DEAD_FILL,
+                                    block_group_ptr, num_live_blocks, num_m, num_n, k_steps, GROUP_M, DEAD_FILL,
                                     num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
-                                     ready, empty, block_group_ptr, num_live_blocks, num_tiles, num_n, k_steps, H,
-                                     I)),
+                                     ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
+                                     GROUP_M)),
         ], [4], [88])
 
 
@@ -290,9 +302,9 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def takes_gluon_gemm2(block_m: int, act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON_GEMM2`` on, an sm_90 GPU (wgmma), 128-row tiles,
+    """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON`` on, an sm_90 GPU (wgmma), 128-row tiles,
     bf16/fp16, contiguous ``w2`` and TMA-able ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
-    if not GLUON_GEMM2 or block_m != 128 or _runtime.INTERPRET or w2.device.type != "cuda":
+    if not GLUON or block_m != 128 or _runtime.INTERPRET or w2.device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(w2.device) != (9, 0) or act.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -302,9 +314,10 @@ def takes_gluon_gemm2(block_m: int, act: torch.Tensor, w2: torch.Tensor, out: to
 
 
 def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, block_m: int = 128,
-             tile: tuple[int, int, int] = GEMM2_WS_TILE, dead_fill: float = 0.0) -> torch.Tensor:
+             tile: tuple[int, int, int] = GEMM2_WS_TILE, group_m: int = 1, dead_fill: float = 0.0) -> torch.Tensor:
     """``out`` [R, H] = ``act`` [R, I] @ ``w2`` [E_local, H, I]^T per row tile's expert, over the rows ``segments``
-    reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES). Check :func:`takes_gluon_gemm2` first."""
+    reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` the tile order's (as
+    ``GemmConfig.group_m``). Check :func:`takes_gluon_gemm2` first."""
     E_local, H, I = w2.shape
     reach = segments.row_to_slot.numel()
     block_n, block_k, stages = tile
@@ -314,7 +327,7 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
-                           I, STAGES=stages, DEAD_FILL=dead_fill, num_warps=8)
+                           I, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return out
 
 
@@ -328,11 +341,12 @@ def takes_gluon_gemm1(block_m: int, x: torch.Tensor, w13: torch.Tensor, act: tor
 
 
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
-                    block_m: int = 128, tile: tuple[int, int, int] = GEMM1_WS_TILE,
+                    block_m: int = 128, tile: tuple[int, int, int] = GEMM1_WS_TILE, group_m: int = 1,
                     dead_fill: float = 0.0) -> torch.Tensor:
     """``act`` [R, I] = silu(x[t] @ W_gate[e]^T) * (x[t] @ W_up[e]^T) over the rows ``segments`` reaches (tile
     ``block_m`` = 128; row p's token t = row_to_slot[p] // top_k), ``x`` [T, H], ``w13`` [E_local, 2I, H] ([gate;
-    up] rows); ``tile`` = (BLOCK_N, BLOCK_K, STAGES). Padding rows get ``dead_fill``. Check
+    up] rows); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` as :func:`gemm2_ws`'s. Padding rows get
+    ``dead_fill``. Check
     :func:`takes_gluon_gemm1` first."""
     E_local, two_i, H = w13.shape
     I = two_i // 2
@@ -344,5 +358,5 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     grid = (min(num_tiles, _multiprocessors(w13.device)),)
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I, BLOCK_K=block_k,
-                                  STAGES=stages, DEAD_FILL=dead_fill, num_warps=8)
+                                  STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act

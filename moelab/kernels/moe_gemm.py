@@ -588,7 +588,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
     if (lora is None and delta is None and not options
             and gluon_gemm.takes_gluon_gemm1(config.block_m, x, w13, act)):  # plain SwiGLU, 128-row tiles, sm_90
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
-                                          dead_fill=dead_fill)
+                                          group_m=config.group_m, dead_fill=dead_fill)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
@@ -611,7 +611,8 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
     W2 term with ``lora``)."""
     if lora is None and bias is None and gluon_gemm.takes_gluon_gemm2(config.block_m, act, w2, out):
-        return gluon_gemm.gemm2_ws(act, w2, out, segments, block_m=config.block_m, dead_fill=dead_fill)
+        return gluon_gemm.gemm2_ws(act, w2, out, segments, block_m=config.block_m, group_m=config.group_m,
+                                   dead_fill=dead_fill)
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
     lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 12, the Gluon GEMMs (moelab/kernels/gluon_gemm.py) on an sm_90 GPU, in one call:
+#   run(command="MOELAB_COMMIT=<HEAD> bash scripts/device_gluon.sh")
+# Steps (RUNS): tests (tests/test_gluon_gemm.py), ab (scripts/gluon_ab.py: each GEMM alone, Gluon against Triton,
+# AB_T tokens, GEMM1_TILES and GEMM2_TILES), layer0 layer1 (the base layer in the bench with MOELAB_GLUON=0, then 1:
+# BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-build/gluon}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+. "$(dirname "$0")/device_env.sh"
+for step in ${RUNS:-tests ab layer0 layer1}; do
+  el "$step"
+  case $step in
+    tests) PYTHONPATH=$PWD WORKERS=4 gpu_tests 120 tests/test_gluon_gemm.py ;;
+    ab) PYTHONPATH=$PWD timeout "${AB_S:-240}" python3 scripts/gluon_ab.py --tokens "${AB_T:-1024,4096,16384}" \
+          --gemm1-tiles "${GEMM1_TILES:-128,64,3;128,64,4}" --tiles "${GEMM2_TILES:-256,64,3}" \
+          --json "$OUT/gluon_ab.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gluon_ab.log" ;;
+    layer0|layer1)
+      MOELAB_GLUON=${step#layer} PYTHONPATH=$PWD timeout "${BENCH_S:-130}" python3 -m moelab.bench --quick \
+        --check-tokens 4 --peers none --impls moelab --no-ceilings --graph-max-t 4096 \
+        --shape "${BENCH_SHAPES:-qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b;mixtral}" \
+        --tokens "${BENCH_T:-1024,4096,16384}" --time-budget "$(( ${BENCH_S:-130} - 20 ))" --out "$OUT/$step.json" \
+        > "$OUT/$step.log" 2>&1
+      echo "$step exit $?"; grep -E "^\| (Qwen|OLMoE|Mixtral|GPT|E64)" "$OUT/$step.log" | head -20; rm -f "$OUT/$step.log" ;;
+  esac
+done
+el done
