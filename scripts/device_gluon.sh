@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12, the Gluon GEMMs (moelab/kernels/gluon_gemm.py) on an sm_90 GPU, in one call:
 #   run(command="MOELAB_COMMIT=<HEAD> bash scripts/device_gluon.sh")
-# Steps (RUNS): tests (tests/test_gluon_gemm.py), ab (scripts/gluon_ab.py: each GEMM alone, Gluon against Triton,
+# Steps (RUNS): tests (TESTS, default tests/test_gluon_gemm.py, stopped after TESTS_S seconds), ab (scripts/gluon_ab.py: each GEMM alone, Gluon against Triton,
 # AB_T tokens, GEMM1_TILES and GEMM2_TILES), layer0 layer1 (the base layer in the bench with MOELAB_GLUON=0, then 1:
 # BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed).
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT=${OUT:-build/gluon}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 for step in ${RUNS:-tests ab layer0 layer1}; do
   el "$step"
   case $step in
-    tests) PYTHONPATH=$PWD WORKERS=4 gpu_tests 120 tests/test_gluon_gemm.py ;;
+    tests) PYTHONPATH=$PWD gpu_tests "${TESTS_S:-120}" ${TESTS:-tests/test_gluon_gemm.py} ;;
     ab) PYTHONPATH=$PWD timeout "${AB_S:-240}" python3 scripts/gluon_ab.py --tokens "${AB_T:-1024,4096,16384}" \
           --gemm1-tiles "${GEMM1_TILES:-128,64,3;128,64,4}" --tiles "${GEMM2_TILES:-256,64,3}" \
           --json "$OUT/gluon_ab.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gluon_ab.log" ;;

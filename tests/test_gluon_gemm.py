@@ -109,14 +109,17 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, monkeypatch):
     assert calls == ["gemm1_swiglu_ws", "gemm2_ws"], "the Gluon kernels did not run"
     slots = seg.row_to_slot.long()
     live = slots >= 0
-    rows = live.nonzero().squeeze(1)
-    experts = seg.block_group.long()[rows // config.block_m]
-    xs = x.double()[slots[live] // K]
-    gate = torch.einsum("rh,rih->ri", xs, w13.double()[experts, :I])
-    up = torch.einsum("rh,rih->ri", xs, w13.double()[experts, I:])
-    assert_close_to_reference(act[live].double(), torch.nn.functional.silu(gate) * up, torch.bfloat16, "act")
-    want = torch.einsum("ri,rhi->rh", act[live].double(), w2.double()[experts])
-    assert_close_to_reference(out[live].double(), want, torch.bfloat16, "gemm2")
+    experts = seg.block_group.long().repeat_interleave(config.block_m)[:reach]
+    want_act = torch.full((reach, I), float("nan"), dtype=torch.float64, device="cuda")
+    want_out = torch.full((reach, H), float("nan"), dtype=torch.float64, device="cuda")
+    for e in range(E):  # float64 products expert by expert: GEMM2 of the kernel's own (rounded) activations
+        rows = (live & (experts == e)).nonzero().squeeze(1)
+        xs = x.double()[slots[rows] // K]
+        gate, up = (xs @ w13.double()[e].T).split(I, dim=1)
+        want_act[rows] = torch.nn.functional.silu(gate) * up
+        want_out[rows] = act[rows].double() @ w2.double()[e].T
+    assert_close_to_reference(act[live].double(), want_act[live], torch.bfloat16, "act")
+    assert_close_to_reference(out[live].double(), want_out[live], torch.bfloat16, "gemm2")
     assert act[~live].isnan().all() and out[~live].isnan().all(), "padding and dead rows: debug mode's NaN fill"
 
     layer = moelab.prepare_weights(w13, w2, backend="triton")
