@@ -52,17 +52,18 @@ GEMM2_WS_TILE = (256, 64, 3)
 #: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM1: BLOCK_N columns of gate and of up (two accumulators), stages of
 #: 48 KB (the gathered rows, a gate and an up tile) and a 32 KB epilogue tile; STAGES is the launchers' default,
 #: moe_gemm takes :func:`gemm1_stages`'.
-GEMM1_WS_TILE = (128, 64, 3)
-#: Above this many rows an expert GEMM1 runs 4 stages (224 KB with the epilogue tile), else 3. H100, 6b9a3f9
-#: (scripts/gluon_ab.py, GEMM1 alone): 4 stages against 3 timed 0.84-0.92x at 256-4096 rows an expert on Qwen3-30B-A3B,
-#: OLMoE, E64 K6, GPT-OSS-20B and Mixtral (T = 4096, 16384); at 96-128 rows 0.975-0.98x on OLMoE and E64 K6 but
-#: 1.11x on GPT-OSS-20B (T = 1024), so those keep 3.
-GEMM1_FOUR_STAGES_ABOVE_ROWS = 128
+GEMM1_WS_TILE = (128, 64, 4)
+#: GEMM1 runs 4 stages (224 KB with the epilogue tile), except on experts that take the grouped tile order
+#: (group_m > 1: experts of moe_gemm.GROUP_M_MIN_EXPERT_BYTES or more) at up to this many rows an expert, which keep
+#: 3. H100, scripts/gluon_ab.py, GEMM1 alone, 4 stages against 3: 0.84-0.92x at 256-4096 rows an expert on
+#: Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B and Mixtral (T = 4096, 16384; 6b9a3f9); at 96-128 rows (T = 1024)
+#: 0.96x on OLMoE, 0.98x on E64 K6, 1.00x on GPT-OSS-20B; Mixtral at 256 rows (T = 1024) 1.14x (7f8eec3).
+GEMM1_THREE_STAGES_GROUPED_ROWS = 512
 
 
-def gemm1_stages(rows_per_expert: float) -> int:
-    """GEMM1's pipeline depth for ``rows_per_expert`` = T * K / E_local (see GEMM1_FOUR_STAGES_ABOVE_ROWS)."""
-    return 4 if rows_per_expert > GEMM1_FOUR_STAGES_ABOVE_ROWS else 3
+def gemm1_stages(rows_per_expert: float, group_m: int) -> int:
+    """GEMM1's pipeline depth for ``rows_per_expert`` = T * K / E_local in the tile order ``group_m``."""
+    return 3 if group_m > 1 and rows_per_expert <= GEMM1_THREE_STAGES_GROUPED_ROWS else 4
 
 if gluon is not None:
     # Triton 3.6 (the H200's) and 3.9 spell four builtins differently: the barrier across a partition's warps and

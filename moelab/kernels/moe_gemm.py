@@ -587,7 +587,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     if (lora is None and delta is None and not options
             and gluon_gemm.takes_gluon_gemm1(config.block_m, x, w13, act)):  # plain SwiGLU, 128-row tiles, sm_90
-        stages = gluon_gemm.gemm1_stages(x.shape[0] * top_k / w13.shape[0])
+        stages = gluon_gemm.gemm1_stages(x.shape[0] * top_k / w13.shape[0], config.group_m)
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
                                           tile=gluon_gemm.GEMM1_WS_TILE[:2] + (stages,), group_m=config.group_m,
                                           dead_fill=dead_fill)
