@@ -97,15 +97,23 @@ def sweep_point(shape, T, w13, w2, a, smem):
         apply_settings(saved)
 
 
-def _sweep_point(shape, T, w13, w2, a, smem):
-    _variant(False)
-    E, K, H, I = shape.E, shape.K, shape.H, shape.I
+def routed_rows(shape, T, w13, w2):
+    """One point's inputs: x [T, H] bf16, the table's config for its rows an expert (``choose_config`` for these
+    experts' bytes), and the segments at its BLOCK_M of ``K`` distinct uniform experts per token (packed words)."""
+    E, K = shape.E, shape.K
     dev = w13.device
-    x = torch.randn(T, H, device=dev).bfloat16()
+    x = torch.randn(T, shape.H, device=dev).bfloat16()
     ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices.int()
     packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, K, device=dev) + 0.1)
     table = choose_config(T, K, E, expert_bytes=(w13[0].numel() + w2[0].numel()) * 2)
-    seg = build_segments_triton(packed, E, table.block_m, packed=True)
+    return x, table, build_segments_triton(packed, E, table.block_m, packed=True)
+
+
+def _sweep_point(shape, T, w13, w2, a, smem):
+    _variant(False)
+    K, H, I = shape.K, shape.H, shape.I
+    dev = w13.device
+    x, table, seg = routed_rows(shape, T, w13, w2)
     reach = seg.row_to_slot.numel()
     live = seg.row_to_slot >= 0
     act = torch.zeros(reach, I, dtype=torch.bfloat16, device=dev)

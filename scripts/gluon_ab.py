@@ -22,12 +22,10 @@ import statistics
 
 import torch
 import triton
+from gemm_sweep import routed_rows  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-import moelab
 from moelab.bench.cli import _split_shapes
 from moelab.kernels import gluon_gemm, moe_gemm
-from moelab.kernels.moe_gemm import choose_config
-from moelab.kernels.segments import build_segments_triton
 from moelab.lab import rel_err
 from moelab.roofline import get_shape
 
@@ -73,16 +71,12 @@ def ab(label, triton_fn, gluon_fn, want, out, live, flops, tile, extra):
 
 
 def run_point(shape, T, w13, w2, tiles, gemm1_tiles):
-    E, K, H, I = shape.E, shape.K, shape.H, shape.I
+    K, H, I = shape.K, shape.H, shape.I
     dev = w13.device
-    x = torch.randn(T, H, device=dev).bfloat16()
-    ids = torch.rand(T, E, device=dev).topk(K, dim=1).indices.int()
-    packed = moelab.pack_topk_ids_weights(ids, torch.rand(T, K, device=dev) + 0.1)
-    table = choose_config(T, K, E, expert_bytes=(w13[0].numel() + w2[0].numel()) * 2)
+    x, table, seg = routed_rows(shape, T, w13, w2)
     if table.block_m != 128:
         print(f"{shape.name} T={T}: table tile {table.block_m} rows, not the Gluon kernel's 128: skipped")
         return []
-    seg = build_segments_triton(packed, E, table.block_m, packed=True)
     reach = seg.row_to_slot.numel()
     act = torch.zeros(reach, I, dtype=torch.bfloat16, device=dev)
     triton_only(lambda: moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=table))()

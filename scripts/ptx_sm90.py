@@ -7,6 +7,7 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
     python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
     python scripts/ptx_sm90.py build/ptx --tma --ws  # and those with WARP_SPECIALIZE (compare gemm*_tma_ws.ptx)
+    python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs of gluon_gemm.py (both tile orders)
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -94,6 +95,11 @@ def compile_ptx(kernel, given: dict) -> str:
     return triton.compile(source, target=TARGET, options=options).asm["ptx"]
 
 
+#: The Gluon GEMMs (``--gluon``): (gemm, tile or None for the default, group_m).
+GLUON = {"gluon_gemm1": ("gemm1", None, 1), "gluon_gemm1_3stages_grouped": ("gemm1", (128, 64, 3), 8),
+         "gluon_gemm2": ("gemm2", None, 1), "gluon_gemm2_grouped": ("gemm2", None, 8)}
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {}) \
@@ -103,6 +109,14 @@ def main(out_dir: str) -> None:
         with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
             f.write(ptx)
         print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
+    if "--gluon" in sys.argv:
+        from moelab.kernels import gluon_gemm
+
+        for name, (gemm, tile, group_m) in GLUON.items():
+            ptx = gluon_gemm.compile_sm90(gemm, tile, group_m).asm["ptx"]
+            with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
+                f.write(ptx)
+            print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
 
 
 if __name__ == "__main__":

@@ -27,42 +27,11 @@ pytestmark = pytest.mark.skipif(gluon_gemm.gluon is None, reason="this Triton ha
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _descriptor_type(block, dtype):
-    layout = gluon_gemm.gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
-
-
-@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
-def test_gluon_kernels_compile_for_sm90(gemm, monkeypatch):
+@pytest.mark.parametrize("gemm,group_m", [("gemm1", 1), ("gemm1", 8), ("gemm2", 1)])
+def test_gluon_kernels_compile_for_sm90(gemm, group_m, monkeypatch):
     """Each Gluon kernel compiles to sm_90 PTX with wgmma, TMA and a warp-specialised register split."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    bf16, hint = gluon_gemm.gl.bfloat16, [["tt.divisibility", 16]]
-    if gemm == "gemm1":
-        block_n, block_k, stages = gluon_gemm.GEMM1_WS_TILE
-        kernel = gluon_gemm._gemm1_swiglu_ws_kernel
-        signature = {"x_ptr": "*bf16", "stride_x": "i32", "row_to_slot_ptr": "*i32", "top_k": "i32",
-                     "w_desc": _descriptor_type([block_n, block_k], bf16),
-                     "out_desc": _descriptor_type([128, block_n], bf16), "block_group_ptr": "*i32",
-                     "num_live_blocks": "i32", "num_rows": "i32", "H": "i32", "I": "i32", "BLOCK_K": "constexpr",
-                     "STAGES": "constexpr", "GROUP_M": "constexpr", "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
-        constexprs = {"BLOCK_K": block_k, "STAGES": stages, "GROUP_M": 8, "DEAD_FILL": 0.0, "num_warps": 8}
-        attrs = {(i,): hint for i in (0, 1, 2, 6)}
-    else:
-        block_n, block_k, stages = gluon_gemm.GEMM2_WS_TILE
-        kernel = gluon_gemm._gemm2_ws_kernel
-        signature = {"a_desc": _descriptor_type([128, block_k], bf16),
-                     "w_desc": _descriptor_type([block_n, block_k], bf16),
-                     "out_desc": _descriptor_type([128, block_n], bf16), "block_group_ptr": "*i32",
-                     "num_live_blocks": "i32", "num_rows": "i32", "H": "i32", "I": "i32", "STAGES": "constexpr",
-                     "GROUP_M": "constexpr", "DEAD_FILL": "constexpr", "num_warps": "constexpr"}
-        constexprs = {"STAGES": stages, "GROUP_M": 1, "DEAD_FILL": 0.0, "num_warps": 8}
-        attrs = {(3,): hint}
-    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    compiled = gluon_gemm.compile_sm90(gemm, group_m=group_m)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert compiled.metadata.shared <= 232448, "more shared memory than an sm_90 block may take"

@@ -43,7 +43,7 @@ try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbar
 except ImportError:  # an older Triton: the Triton kernels serve every call
     gluon = None
 
-__all__ = ["GLUON", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2"]
+__all__ = ["GLUON", "compile_sm90", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2"]
 
 #: The Gluon GEMMs on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernels everywhere.
 GLUON: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
@@ -94,6 +94,37 @@ if gluon is not None:
         return pid_m, pid_n, expert
 
     @gluon.jit
+    def _stage_barriers(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
+        """The ring's mbarriers, one pair a stage: ``ready`` (READY_ARRIVALS arrivals, the TMA's among them)
+        and ``empty`` (the MMA partition's one)."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=READY_ARRIVALS)
+            mbarrier.init(empty.index(i), count=1)
+        return ready, empty
+
+    @gluon.jit
+    def _free_previous_slot(empty, it):
+        """Hand the slot of K step ``it - 1`` back to the loads, once every warpgroup has waited for its wgmma."""
+        STAGES: gl.constexpr = empty.shape[0]
+        _partition_barrier()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+
+    @gluon.jit
+    def _store_tile(out_desc, out_smem, tile, pid_m, pid_n):
+        """Round fp32 ``tile`` into ``out_smem`` once the previous tile's TMA store has read it, and store it at
+        output tile (pid_m, pid_n) with a TMA store that runs on while the next tile's products start."""
+        BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+        tma.store_wait(pendings=0)
+        _partition_barrier()
+        out_smem.store(tile.to(out_desc.dtype))
+        fence_async_shared()
+        _partition_barrier()
+        _tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
+
+    @gluon.jit
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
                               num_m, num_n, k_steps, H, GROUP_M: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -138,18 +169,11 @@ if gluon is not None:
                     # one MMA in flight: the previous step's is done, so its slot goes back to the loads
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                     if k > 0:
-                        _partition_barrier()  # both warpgroups past their wait
-                        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                        _free_previous_slot(empty, it)
                     it += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                _partition_barrier()
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            tma.store_wait(pendings=0)  # the last tile's store has read out_smem
-            _partition_barrier()
-            out_smem.store(acc.to(out_desc.dtype))
-            fence_async_shared()
-            _partition_barrier()
-            _tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
+                _free_previous_slot(empty, it)
+            _store_tile(out_desc, out_smem, acc, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -162,11 +186,7 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = _stage_barriers(STAGES, 1)
         num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(H, BLOCK_N)
         k_steps = gl.cdiv(I, BLOCK_K)
@@ -249,19 +269,12 @@ if gluon is not None:
                                            is_async=True)
                     acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc_gate, acc_up))
                     if k > 0:
-                        _partition_barrier()
-                        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                        _free_previous_slot(empty, it)
                     it += 1
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
-                _partition_barrier()
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                _free_previous_slot(empty, it)
                 act = gl.where(row_ok[:, None], acc_gate / (1.0 + gl.exp(-acc_gate)) * acc_up, DEAD_FILL)  # SwiGLU
-            tma.store_wait(pendings=0)
-            _partition_barrier()
-            out_smem.store(act.to(out_desc.dtype))
-            fence_async_shared()
-            _partition_barrier()
-            _tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
+            _store_tile(out_desc, out_smem, act, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -276,11 +289,7 @@ if gluon is not None:
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         u_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=2)  # the weights' TMA bytes and the gathered rows
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = _stage_barriers(STAGES, 2)  # the weights' TMA bytes and the gathered rows
         num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(I, BLOCK_N)
         k_steps = gl.cdiv(H, BLOCK_K)
@@ -372,3 +381,32 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
                                   segments.block_group, segments.block_group.numel(), reach, H, I, BLOCK_K=block_k,
                                   STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
+
+
+def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1):
+    """The Gluon kernel of ``gemm`` ("gemm1" or "gemm2") compiled for sm_90 on any machine (no GPU needed), bf16, at
+    ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), with the divisibility hints a launch at real shapes gets.
+    Returns Triton's compiled kernel: ``.asm["ptx"]``, ``.metadata.shared`` (bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(block):
+        return f"tensordesc<bf16[{block[0]}, {block[1]}],{_smem_layout(tuple(block), torch.bfloat16)!r}>"
+
+    block_n, block_k, stages = tile or (GEMM1_WS_TILE if gemm == "gemm1" else GEMM2_WS_TILE)
+    tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
+    if gemm == "gemm1":
+        kernel, hinted = _gemm1_swiglu_ws_kernel, ("x_ptr", "stride_x", "row_to_slot_ptr", "block_group_ptr")
+        args = dict(x_ptr="*bf16", stride_x="i32", row_to_slot_ptr="*i32", top_k="i32",
+                    w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles)
+        constexprs = dict(BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=0.0, num_warps=8)
+    else:
+        kernel, hinted = _gemm2_ws_kernel, ("block_group_ptr",)
+        args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),
+                    **tiles)
+        constexprs = dict(STAGES=stages, GROUP_M=group_m, DEAD_FILL=0.0, num_warps=8)
+    signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted}
+    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

@@ -22,7 +22,9 @@ With a fused LoRA bank (``LORA``) the epilogues also expand the bank's rank vect
 ``moelab/kernels/fused_lora.py`` shrinks and describes; its :class:`~moelab.kernels.fused_lora.TileLoRA` or
 :class:`~moelab.kernels.fused_lora.DecodeLoRA` hands the launchers below their LoRA operands.
 
-The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choose_config` picks the tiles.
+The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choose_config` picks the tiles. On sm_90
+they hand plain SwiGLU calls on 128-row tiles (no delta, bias or LoRA bank) to the warp-specialised Gluon kernels of
+``moelab/kernels/gluon_gemm.py`` (``MOELAB_GLUON=0``: never).
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ GEMM2_MAX_STAGES = 3
 #: and GEMM2. Off. For sm_90 it changes nothing: Triton 3.6 (the H200's) and 3.9 compile both GEMMs' TMA variants to
 #: byte-identical PTX with and without it (no warp partitions), so the H200 A/Bs of the flag (scripts/tma_ab.py --ws:
 #: -1.1 % to +0.8 %) timed the same kernel twice (BENCHMARKS.md, "Persistent grid, warp specialisation"). It may
-#: partition the loop on GPUs where Triton warp-specialises (not measured here).
+#: partition the loop on GPUs where Triton warp-specialises (not measured here). The warp-specialised schedule that
+#: sm_90 does get is written by hand in Gluon (``gluon_gemm.py``).
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
 
 
