@@ -4,9 +4,10 @@ triton backend runs on sm_90 GPUs for 128-row tiles.
 On any machine both kernels must compile for sm_90 with the installed Triton (no GPU needed: a Triton that renames
 a Gluon builtin fails here, not on a user's H100). On an sm_90 GPU, fresh random problems whose rows make 128-row
 tiles, sized off every tile (H not a multiple of GEMM2's 256 columns, I not one of GEMM1's 128, more tiles than SMs,
-experts with no rows and dead tiles), run through ``moe_gemm`` with NaN-poisoned outputs and in debug mode; each
-Gluon kernel must have run, and GEMM1's activations and GEMM2's rows must match float64 products of the same
-inputs, the padding rows NaN (debug mode's dead fill); the whole layer must match the float64 reference.
+experts with no rows and dead tiles, GEMM1 with vLLM's LoRA delta), run through ``moe_gemm`` with NaN-poisoned
+outputs and in debug mode; each Gluon kernel must have run, and GEMM1's activations and GEMM2's rows must match
+float64 products of the same inputs, the padding rows NaN (debug mode's dead fill); the whole layer must match the
+float64 reference.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ pytestmark = pytest.mark.skipif(gluon_gemm.gluon is None, reason="this Triton ha
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("gemm,group_m", [("gemm1", 1), ("gemm1", 8), ("gemm2", 1)])
-def test_gluon_kernels_compile_for_sm90(gemm, group_m, monkeypatch):
+@pytest.mark.parametrize("gemm,group_m,delta", [("gemm1", 1, False), ("gemm1", 8, True), ("gemm2", 1, False)])
+def test_gluon_kernels_compile_for_sm90(gemm, group_m, delta, monkeypatch):
     """Each Gluon kernel compiles to sm_90 PTX with wgmma, TMA and a warp-specialised register split."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    compiled = gluon_gemm.compile_sm90(gemm, group_m=group_m)
+    compiled = gluon_gemm.compile_sm90(gemm, group_m=group_m, delta=delta)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert compiled.metadata.shared <= 232448, "more shared memory than an sm_90 block may take"
@@ -51,16 +52,22 @@ def _problem(T, E, K, H, I, seed, skew=False):
     return w13, w2, x, ids, random_weights(T, K, generator=g, device="cuda")
 
 
-#: (T, E, K, H, I, skew, group_m): 128-row tiles (more than 64 rows an expert), sizes off the Gluon tiles
-CASES = [(600, 4, 2, 384, 320, False, 1), (8192, 8, 2, 512, 256, False, 1), (8192, 8, 2, 512, 256, False, 8),
-         (1000, 16, 3, 256, 192, True, 1)]
+#: (T, E, K, H, I, skew, group_m, delta): 128-row tiles (more than 64 rows an expert), sizes off the Gluon tiles;
+#: delta: GEMM1 adds a LoRA delta (vLLM's flow), every third token's zero
+CASES = [(600, 4, 2, 384, 320, False, 1, False), (600, 4, 2, 384, 320, False, 1, True),
+         (8192, 8, 2, 512, 256, False, 1, False), (8192, 8, 2, 512, 256, False, 8, True),
+         (1000, 16, 3, 256, 192, True, 1, False)]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
-@pytest.mark.parametrize("T,E,K,H,I,skew,group_m", CASES)
-def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, monkeypatch):
-    seed = hash((T, E, K, H, I, skew, group_m)) % 2**31
+@pytest.mark.parametrize("T,E,K,H,I,skew,group_m,delta", CASES)
+def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, delta, monkeypatch):
+    seed = hash((T, E, K, H, I, skew, group_m, delta)) % 2**31
     w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed, skew)
+    d = None
+    if delta:  # [T, K, 2I], [up | gate]
+        d = (torch.randn(T, K, 2 * I, generator=torch.Generator().manual_seed(seed)) * 0.5).bfloat16().cuda()
+        d[::3] = 0
     config = dataclasses.replace(moe_gemm.choose_config(T, K, E), group_m=group_m)
     assert config.block_m == 128, "the case must make 128-row tiles"
     calls = []
@@ -73,7 +80,8 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, monkeypatch):
     reach = seg.row_to_slot.numel()
     act = poison(torch.empty(reach, I, dtype=torch.bfloat16, device="cuda"))
     out = poison(torch.empty(reach, H, dtype=torch.bfloat16, device="cuda"))
-    moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"))
+    moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"),
+                          delta=d.view(T * K, 2 * I) if delta else None)
     moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"))
     assert calls == ["gemm1_swiglu_ws", "gemm2_ws"], "the Gluon kernels did not run"
     slots = seg.row_to_slot.long()
@@ -85,6 +93,9 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, monkeypatch):
         rows = (live & (experts == e)).nonzero().squeeze(1)
         xs = x.double()[slots[rows] // K]
         gate, up = (xs @ w13.double()[e].T).split(I, dim=1)
+        if delta:
+            up_d, gate_d = d.double().view(T * K, 2 * I)[slots[rows]].split(I, dim=1)
+            gate, up = gate + gate_d, up + up_d
         want_act[rows] = torch.nn.functional.silu(gate) * up
         want_out[rows] = act[rows].double() @ w2.double()[e].T
     assert_close_to_reference(act[live].double(), want_act[live], torch.bfloat16, "act")
@@ -92,8 +103,9 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, monkeypatch):
     assert act[~live].isnan().all() and out[~live].isnan().all(), "padding and dead rows: debug mode's NaN fill"
 
     layer = moelab.prepare_weights(w13, w2, backend="triton")
-    got = moelab.routed_moe(packed, x, layer, num_experts=E, top_k=K, output=poison(torch.empty_like(x)))[0]
-    ref = reference.routed_moe(ids, reference.bf16_round(weights), x, w13, w2)["output"]
+    got = moelab.routed_moe(packed, x, layer, num_experts=E, top_k=K, output=poison(torch.empty_like(x)),
+                            gemm1_lora_delta=d)[0]
+    ref = reference.routed_moe(ids, reference.bf16_round(weights), x, w13, w2, gemm1_lora_delta=d)["output"]
     assert_close_to_reference(got, ref, torch.bfloat16, "output")
 
 

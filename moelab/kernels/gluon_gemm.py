@@ -243,20 +243,23 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
-                             block_group_ptr, num_live_blocks, num_m, num_n, k_steps, GROUP_M: gl.constexpr,
-                             DEAD_FILL: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
+                             HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         it = 0
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             act = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
-                row_ok = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows) >= 0
+                slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
+                row_ok = slots >= 0
                 acc_gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 for k in range(k_steps):
@@ -273,14 +276,21 @@ if gluon is not None:
                     it += 1
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                 _free_previous_slot(empty, it)
+                if HAS_DELTA:  # the slot's LoRA delta, [up | gate], added before the activation, unweighted
+                    cols = pid_n * BLOCK_N + tile_cols
+                    d_ptrs = delta_ptr + gl.where(row_ok, slots, 0).to(gl.int64)[:, None] * stride_d + cols[None, :]
+                    d_mask = row_ok[:, None] & (cols < I)[None, :]
+                    acc_up += gl.load(d_ptrs, mask=d_mask, other=0.0).to(gl.float32)
+                    acc_gate += gl.load(d_ptrs + I, mask=d_mask, other=0.0).to(gl.float32)
                 act = gl.where(row_ok[:, None], acc_gate / (1.0 + gl.exp(-acc_gate)) * acc_up, DEAD_FILL)  # SwiGLU
             _store_tile(out_desc, out_smem, act, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
-                                num_live_blocks, num_rows, H, I, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                                GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
+                                num_live_blocks, num_rows, H, I, delta_ptr, stride_d, HAS_DELTA: gl.constexpr,
+                                BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
@@ -295,8 +305,8 @@ if gluon is not None:
         k_steps = gl.cdiv(H, BLOCK_K)
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
-                                    block_group_ptr, num_live_blocks, num_m, num_n, k_steps, GROUP_M, DEAD_FILL,
-                                    num_warps)),
+                                    block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
+                                    stride_d, HAS_DELTA, GROUP_M, DEAD_FILL, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
                                      GROUP_M)),
@@ -363,12 +373,12 @@ def takes_gluon_gemm1(block_m: int, x: torch.Tensor, w13: torch.Tensor, act: tor
 
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
                     block_m: int = 128, tile: tuple[int, int, int] = GEMM1_WS_TILE, group_m: int = 1,
-                    dead_fill: float = 0.0) -> torch.Tensor:
-    """``act`` [R, I] = silu(x[t] @ W_gate[e]^T) * (x[t] @ W_up[e]^T) over the rows ``segments`` reaches (tile
-    ``block_m`` = 128; row p's token t = row_to_slot[p] // top_k), ``x`` [T, H], ``w13`` [E_local, 2I, H] ([gate;
-    up] rows); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` as :func:`gemm2_ws`'s. Padding rows get
-    ``dead_fill``. Check
-    :func:`takes_gluon_gemm1` first."""
+                    delta: torch.Tensor | None = None, dead_fill: float = 0.0) -> torch.Tensor:
+    """``act`` [R, I] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up) over the rows ``segments``
+    reaches (tile ``block_m`` = 128; row p's slot s = row_to_slot[p], token t = s // top_k), ``x`` [T, H], ``w13``
+    [E_local, 2I, H] ([gate; up] rows), ``delta`` None or contiguous [T*K, 2I] ([up | gate], the slot's row d);
+    ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` as :func:`gemm2_ws`'s. Padding rows get ``dead_fill``.
+    Check :func:`takes_gluon_gemm1` first."""
     E_local, two_i, H = w13.shape
     I = two_i // 2
     reach = segments.row_to_slot.numel()
@@ -378,14 +388,16 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     num_tiles = cdiv(reach, block_m) * cdiv(I, block_n)
     grid = (min(num_tiles, _multiprocessors(w13.device)),)
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
-                                  segments.block_group, segments.block_group.numel(), reach, H, I, BLOCK_K=block_k,
-                                  STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
+                                  segments.block_group, segments.block_group.numel(), reach, H, I,
+                                  delta if delta is not None else x, two_i, HAS_DELTA=delta is not None,
+                                  BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
 
 
-def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1):
+def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1, delta: bool = False):
     """The Gluon kernel of ``gemm`` ("gemm1" or "gemm2") compiled for sm_90 on any machine (no GPU needed), bf16, at
-    ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), with the divisibility hints a launch at real shapes gets.
+    ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), GEMM1 with a LoRA ``delta`` or without, with the
+    divisibility hints a launch at real shapes gets.
     Returns Triton's compiled kernel: ``.asm["ptx"]``, ``.metadata.shared`` (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -397,10 +409,13 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     block_n, block_k, stages = tile or (GEMM1_WS_TILE if gemm == "gemm1" else GEMM2_WS_TILE)
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
     if gemm == "gemm1":
-        kernel, hinted = _gemm1_swiglu_ws_kernel, ("x_ptr", "stride_x", "row_to_slot_ptr", "block_group_ptr")
+        kernel = _gemm1_swiglu_ws_kernel
+        hinted = ("x_ptr", "stride_x", "row_to_slot_ptr", "block_group_ptr", "delta_ptr", "stride_d")
         args = dict(x_ptr="*bf16", stride_x="i32", row_to_slot_ptr="*i32", top_k="i32",
-                    w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles)
-        constexprs = dict(BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=0.0, num_warps=8)
+                    w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles, delta_ptr="*bf16",
+                    stride_d="i32")
+        constexprs = dict(HAS_DELTA=delta, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=0.0,
+                          num_warps=8)
     else:
         kernel, hinted = _gemm2_ws_kernel, ("block_group_ptr",)
         args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),

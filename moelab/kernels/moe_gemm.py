@@ -23,7 +23,7 @@ With a fused LoRA bank (``LORA``) the epilogues also expand the bank's rank vect
 :class:`~moelab.kernels.fused_lora.DecodeLoRA` hands the launchers below their LoRA operands.
 
 The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choose_config` picks the tiles. On sm_90
-they hand plain SwiGLU calls on 128-row tiles (no delta, bias or LoRA bank) to the warp-specialised Gluon kernels of
+they hand plain SwiGLU calls on 128-row tiles (no bias or fused LoRA bank; GEMM1 takes a delta) to the Gluon kernels of
 ``moelab/kernels/gluon_gemm.py`` (``MOELAB_GLUON=0``: never).
 """
 
@@ -588,12 +588,12 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
-    if (lora is None and delta is None and not options
+    if (lora is None and not options and (delta is None or delta.is_contiguous())
             and gluon_gemm.takes_gluon_gemm1(config.block_m, x, w13, act)):  # plain SwiGLU, 128-row tiles, sm_90
         stages = gluon_gemm.gemm1_stages(x.shape[0] * top_k / w13.shape[0], config.group_m)
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
                                           tile=gluon_gemm.GEMM1_WS_TILE[:2] + (stages,), group_m=config.group_m,
-                                          dead_fill=dead_fill)
+                                          delta=delta, dead_fill=dead_fill)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
