@@ -1,21 +1,28 @@
-"""GEMM2 of the routed MoE as a warp-specialised, persistent Hopper kernel in Gluon (Triton's tile-level dialect).
+"""The routed MoE's grouped GEMMs as warp-specialised, persistent Hopper kernels in Gluon (Triton's tile-level
+dialect), for sm_90 GPUs and 128-row tiles:
 
-    y[p] = act[p] @ W2[e]^T        act [R, I] (GEMM1's output rows), W2 [E_local, H, I], y [R, H]
+    GEMM1:  act[p] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up)     act [R, I]
+    GEMM2:  y[p]   = act[p] @ W2[e]^T                                                  y [R, H]
 
-The same product as :func:`moelab.kernels.moe_gemm.gemm2` without a bias or a LoRA bank, for the compute-bound
-regime (128-row tiles), where Triton's own compilation of ``_gemm2_kernel`` leaves the tensor cores idle while a
-tile's loads and its epilogue run (Triton 3.6 gives sm_90 no warp specialisation). Here one program per SM walks
-the output tiles (row tile by row tile, each sweeping its column blocks). In it:
+(notation of ``moelab/kernels/moe_gemm.py``: p a permuted row, t its token, e its tile's local expert, d the
+slot's optional LoRA delta in [up | gate] order). The same products as ``moe_gemm.gemm1_swiglu`` and ``gemm2``
+with plain SwiGLU and without a bias or a fused LoRA bank, in the same order (bit for bit on the shapes measured),
+for the compute-bound regime, where Triton's own compilation of those kernels leaves the tensor cores idle while a
+tile's loads and its epilogue run (Triton 3.6 gives sm_90 no warp specialisation). One program per SM walks the
+output tiles (row tile by row tile, or ``GROUP_M`` row tiles down each column block). In it:
 
-- a **load partition** (one warp) streams each tile's act and W2 blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]
-  through TMA into a ring of ``STAGES`` shared-memory slots, one ``ready`` mbarrier a slot (the TMA's byte count
-  completes it) and one ``empty`` mbarrier a slot (the MMA partition frees it);
+- a **load partition** fills a ring of ``STAGES`` shared-memory slots: GEMM2's one warp copies each tile's act and
+  W2 blocks through TMA; GEMM1's four warps gather the tile's input rows ``x[t]`` with 16-byte ``cp.async`` copies
+  (TMA cannot gather on Hopper) and copy the gate and up blocks through TMA. One ``ready`` mbarrier a slot (the
+  TMA's byte count, and in GEMM1 the gathered rows' arrival, complete it), one ``empty`` mbarrier a slot (the MMA
+  partition frees it);
 - the **MMA partition** (the kernel's ``num_warps`` = 8: two warpgroups, 64 rows each) waits for each slot, runs
-  ``wgmma`` into fp32 accumulators with one MMA in flight, frees the slot behind it, and after a tile's last K step
-  rounds the tile into shared memory and stores it with a TMA store that runs on while the next tile's MMAs start.
+  ``wgmma`` into fp32 accumulators with one step in flight, frees the slot behind it, and after a tile's last K step
+  (GEMM1: adds the delta, applies SwiGLU) rounds the tile into shared memory and stores it with a TMA store that
+  runs on while the next tile's products start.
 
-Tiles past the live rows (expert -1) are written with ``DEAD_FILL`` and read no weight, as in ``_gemm2_kernel``.
-Runs on sm_90 only (``wgmma``): :func:`takes_gluon_gemm2` says when a call can take it.
+Padding rows and tiles past the live rows (expert -1) are written with ``DEAD_FILL``; dead tiles read no weight.
+:func:`takes_gluon_gemm1` and :func:`takes_gluon_gemm2` say when a call can take them; ``moe_gemm`` asks them.
 """
 
 from __future__ import annotations
