@@ -40,6 +40,17 @@ def test_gluon_kernels_compile_for_sm90(gemm, group_m, delta, monkeypatch):
         assert "cp.async.cg.shared.global" in ptx, "GEMM1's gathered rows: 16-byte cp.async copies"
 
 
+@pytest.mark.parametrize("gemm,stages", [("gemm1", 2), ("gemm2", 1)])
+def test_gluon_rings_too_shallow_do_not_compile(gemm, stages, monkeypatch):
+    """A ring too shallow for the hand-over between the partitions would deadlock on the GPU: it fails to compile."""
+    from triton.compiler.errors import CompilationError
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    block_n, block_k, _ = gluon_gemm.GEMM1_WS_TILE if gemm == "gemm1" else gluon_gemm.GEMM2_WS_TILE
+    with pytest.raises(CompilationError, match="ring needs"):
+        gluon_gemm.compile_sm90(gemm, (block_n, block_k, stages))
+
+
 def _problem(T, E, K, H, I, seed, skew=False):
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16().cuda()
@@ -110,10 +121,20 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, delta, monkey
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
-def test_gluon_switch_keeps_the_triton_kernels(monkeypatch):
-    """``GLUON`` off (``MOELAB_GLUON=0`` at import): the same call takes the Triton kernels."""
-    monkeypatch.setattr(gluon_gemm, "GLUON", False)
+def test_gluon_takes_only_what_it_handles(monkeypatch):
+    """The gates take a plain call and refuse: an x row stride Triton cannot prove 16-byte aligned, mixed dtypes,
+    segments of another tile or with no rows, and everything once ``GLUON`` is off (``MOELAB_GLUON=0``)."""
     w13, w2, x, ids, weights = _problem(600, 4, 2, 384, 320, 1)
-    act = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")
-    assert not gluon_gemm.takes_gluon_gemm2(128, act, w2, act)
-    assert not gluon_gemm.takes_gluon_gemm1(128, x, w13, act)
+    seg = build_segments_triton(moelab.pack_topk_ids_weights(ids, weights), 4, 128, packed=True)
+    act = torch.empty(seg.row_to_slot.numel(), 320, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(seg.row_to_slot.numel(), 384, dtype=torch.bfloat16, device="cuda")
+    assert gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act) and gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out)
+    wide = torch.zeros(600, 384 + 8, dtype=torch.bfloat16, device="cuda")[:, :384]  # a row stride of 392 elements
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, wide, w13, act)
+    assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out.float())
+    assert not gluon_gemm.takes_gluon_gemm2(seg, 64, act, w2, out)
+    assert not gluon_gemm.takes_gluon_gemm2(dataclasses.replace(seg, row_to_slot=seg.row_to_slot[:0]), 128, act, w2,
+                                            out)
+    monkeypatch.setattr(gluon_gemm, "GLUON", False)
+    assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out)
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act)

@@ -190,6 +190,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        gl.static_assert(STAGES >= 2, "GEMM2's ring needs 2 stages: the MMAs free a stage one step behind")
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
@@ -301,6 +302,8 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
+        # the loads hand a step's rows over only after issuing the next step's: with 2 stages both sides would wait
+        gl.static_assert(STAGES >= 3, "GEMM1's ring needs 3 stages")
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -339,12 +342,16 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
-def takes_gluon_gemm2(block_m: int, act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON`` on, an sm_90 GPU (wgmma), 128-row tiles,
-    bf16/fp16, contiguous ``w2`` and TMA-able ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
-    if not GLUON or block_m != 128 or _runtime.INTERPRET or w2.device.type != "cuda":
+def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: torch.Tensor,
+                      out: torch.Tensor) -> bool:
+    """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON`` on, an sm_90 GPU (wgmma), segments of 128-row tiles
+    with rows (``block_m`` their tile), ``act``, ``w2`` and ``out`` all bf16 or all fp16, contiguous ``w2`` and
+    TMA-able ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
+    if (not GLUON or block_m != 128 or segments.tile != block_m or segments.row_to_slot.numel() == 0
+            or _runtime.INTERPRET or w2.device.type != "cuda"):
         return False
-    if torch.cuda.get_device_capability(w2.device) != (9, 0) or act.dtype not in (torch.bfloat16, torch.float16):
+    if (torch.cuda.get_device_capability(w2.device) != (9, 0) or act.dtype not in (torch.bfloat16, torch.float16)
+            or not act.dtype == w2.dtype == out.dtype):
         return False
     return w2.is_contiguous() and all(
         t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -369,13 +376,14 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     return out
 
 
-def takes_gluon_gemm1(block_m: int, x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor) -> bool:
-    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out the delta, a bias, a
-    LoRA bank, other activations and weights on the input): as :func:`takes_gluon_gemm2`, and ``x`` rows of 16
-    bytes' multiples (its gathered copies are 16 bytes wide) and H a multiple of GEMM1_WS_TILE's BLOCK_K."""
-    return (takes_gluon_gemm2(block_m, act, w13, act) and w13.shape[-1] % GEMM1_WS_TILE[1] == 0
-            and x.dtype == w13.dtype == act.dtype and x.stride(-1) == 1
-            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: torch.Tensor,
+                      act: torch.Tensor) -> bool:
+    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out a bias, a LoRA bank,
+    other activations and weights on the input): as :func:`takes_gluon_gemm2`, ``x`` of their dtype with a row
+    stride of a multiple of 16 elements and a 16-byte aligned base (what lets Triton prove its gathered copies 16
+    bytes wide), and H a multiple of GEMM1_WS_TILE's BLOCK_K."""
+    return (takes_gluon_gemm2(segments, block_m, act, w13, act) and w13.shape[-1] % GEMM1_WS_TILE[1] == 0
+            and x.dtype == w13.dtype and x.stride(-1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,

@@ -588,8 +588,8 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
-    if (lora is None and not options and (delta is None or delta.is_contiguous())
-            and gluon_gemm.takes_gluon_gemm1(config.block_m, x, w13, act)):  # plain SwiGLU, 128-row tiles, sm_90
+    if (lora is None and not options and (delta is None or delta.is_contiguous())  # plain SwiGLU
+            and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act)):  # 128-row tiles, sm_90
         stages = gluon_gemm.gemm1_stages(x.shape[0] * top_k / w13.shape[0], config.group_m)
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
                                           tile=gluon_gemm.GEMM1_WS_TILE[:2] + (stages,), group_m=config.group_m,
@@ -615,7 +615,7 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
     W2 term with ``lora``)."""
-    if lora is None and bias is None and gluon_gemm.takes_gluon_gemm2(config.block_m, act, w2, out):
+    if lora is None and bias is None and gluon_gemm.takes_gluon_gemm2(segments, config.block_m, act, w2, out):
         return gluon_gemm.gemm2_ws(act, w2, out, segments, block_m=config.block_m, group_m=config.group_m,
                                    dead_fill=dead_fill)
     H, I = w2.shape[1], w2.shape[2]
