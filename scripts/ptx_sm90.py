@@ -8,6 +8,7 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
     python scripts/ptx_sm90.py build/ptx --tma --ws  # and those with WARP_SPECIALIZE (compare gemm*_tma_ws.ptx)
     python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs of gluon_gemm.py (both tile orders)
+    python scripts/ptx_sm90.py build/ptx --segments  # also the segments kernels (moelab/kernels/segments.py)
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -95,6 +96,39 @@ def compile_ptx(kernel, given: dict) -> str:
     return triton.compile(source, target=TARGET, options=options).asm["ptx"]
 
 
+def segment_variants() -> dict:
+    """The segments kernels (``--segments``): name -> (kernel, constexprs and pointer types, warps), at the sizes
+    the routed MoE launches (1024-slot chunks, 256 or 8192 bins; the one program with and without bisection)."""
+    from moelab.kernels import segments as seg
+
+    chunk = dict(CHUNK=1024, G_BINS=256, PACKED=True, BY_ADAPTER=False)
+    return {
+        "seg_count": (seg._segments_count_kernel, dict(chunk, ATOMIC=False), 4),
+        "seg_count_atomic": (seg._segments_count_kernel, dict(chunk, G_BINS=8192, PACKED=False, BY_ADAPTER=True,
+                                                              ATOMIC=True, adapter_ptr="*i32"), 4),
+        "seg_scan_one": (seg._segments_scan_kernel, dict(TILE=128, G_BINS=256, CB=16, BG=256), 4),
+        "seg_scan_many": (seg._segments_scan_kernel, dict(TILE=128, G_BINS=8192, CB=4, BG=256), 4),
+        "seg_scatter": (seg._segments_scatter_kernel, dict(chunk, TILE=128, CB=16, BISECT=False), 4),
+        "seg_scatter_scan": (seg._segments_scatter_kernel, dict(chunk, TILE=128, CB=16, BISECT=False, SCAN=True,
+                                                                SCAN_CB=8, hist_ptr="*i32"), 4),
+        "seg_one_chunk": (seg._segments_one_chunk_kernel, dict(chunk, TILE=64, CB=16, BISECT=False), 8),
+        "seg_one_chunk_bisect": (seg._segments_one_chunk_kernel, dict(chunk, TILE=64, G_BINS=1024, PACKED=False,
+                                                                      CB=seg.BISECT_CB, BISECT=True), 4),
+    }
+
+
+def compile_segments_ptx(kernel, given: dict, num_warps: int) -> str:
+    """A segments kernel's PTX: int32 pointers (or the type ``given`` names) hinted 16-byte aligned, i32 scalars."""
+    consts = {p.name: given.get(p.name, p.default) for p in kernel.params
+              if p.is_constexpr or (p.name not in given and p.default is None)}
+    signature = {n: "constexpr" if n in consts else given[n] if isinstance(given.get(n), str)
+                 else "*i32" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if n not in consts and n.endswith("_ptr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps)).asm["ptx"]
+
+
 #: The Gluon GEMMs (``--gluon``): (gemm, tile or None for the default, group_m).
 GLUON = {"gluon_gemm1": ("gemm1", None, 1), "gluon_gemm1_3stages_grouped": ("gemm1", (128, 64, 3), 8),
          "gluon_gemm2": ("gemm2", None, 1), "gluon_gemm2_grouped": ("gemm2", None, 8)}
@@ -109,6 +143,12 @@ def main(out_dir: str) -> None:
         with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
             f.write(ptx)
         print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
+    if "--segments" in sys.argv:
+        for name, (kernel, given, warps) in segment_variants().items():
+            ptx = compile_segments_ptx(kernel, given, warps)
+            with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
+                f.write(ptx)
+            print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
     if "--gluon" in sys.argv:
         from moelab.kernels import gluon_gemm
 

@@ -140,6 +140,20 @@ def _histogram(g, counts_ptr, G_BINS: tl.constexpr, ATOMIC: tl.constexpr):
 
 
 @jit
+def _padded_counts(counts, bins, num_groups, TILE: tl.constexpr):
+    """Each group's rows, its count rounded up to whole tiles; 0 for the bins past ``num_groups`` (no group)."""
+    return (tl.where(bins < num_groups, counts, 0) + TILE - 1) // TILE * TILE
+
+
+@jit
+def _fill_padding_rows(row_to_slot_ptr, lane, start, end, CHUNK: tl.constexpr):
+    """``row_to_slot[start:end] = -1`` (padding rows; the live ones are scattered over them later), CHUNK rows
+    (``lane`` = arange(CHUNK)) a step."""
+    for r0 in range(start, end, CHUNK):
+        tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < end)
+
+
+@jit
 def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slot_ptr, num_slots, offset, num_groups,
                            num_rows, rows_per_chunk, adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr,
                            G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr):
@@ -148,8 +162,7 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slo
     chunk = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     r_end = tl.minimum((chunk + 1) * rows_per_chunk, num_rows)
-    for r0 in range(chunk * rows_per_chunk, r_end, CHUNK):
-        tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < r_end)
+    _fill_padding_rows(row_to_slot_ptr, lane, chunk * rows_per_chunk, r_end, CHUNK)
     g = _load_groups(values_ptr, chunk * CHUNK + tl.arange(0, CHUNK), num_slots, offset, num_groups, G_BINS - 1,
                      PACKED, adapter_ptr, top_k, num_experts, BY_ADAPTER)
     hist = _histogram(g, hist_ptr + chunk * G_BINS, G_BINS, ATOMIC)
@@ -176,8 +189,7 @@ def _segments_scan_kernel(hist_ptr, chunk_base_ptr, seg_start_ptr, num_chunks, n
         h = tl.load(hist_ptr + idx, mask=ok, other=0)
         tl.store(chunk_base_ptr + idx, tl.cumsum(h, axis=0) - h + carry[None, :], mask=ok)
         carry += tl.sum(h, axis=0)
-    counts = tl.where(bins < num_groups, carry, 0)
-    padded = (counts + TILE - 1) // TILE * TILE
+    padded = _padded_counts(carry, bins, num_groups, TILE)
     if BG == G_BINS:
         # seg_start of the bins >= num_groups (padded 0) is the total of live rows: the scatter reads it there.
         tl.store(seg_start_ptr + bins, tl.cumsum(padded, axis=0) - padded)
@@ -216,7 +228,7 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
                         other=0)
             before += tl.sum(tl.where((chunks < chunk)[:, None], h, 0), axis=0)
             counts += tl.sum(h, axis=0)
-        padded = (tl.where(bins < num_groups, counts, 0) + TILE - 1) // TILE * TILE
+        padded = _padded_counts(counts, bins, num_groups, TILE)
         seg_end = tl.cumsum(padded, axis=0)
         total = tl.sum(padded, axis=0)
         tl.store(chunk_base_ptr + chunk * G_BINS + bins, seg_end - padded + before)
@@ -274,15 +286,14 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
     g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED, adapter_ptr, top_k,
                      num_experts, BY_ADAPTER)
     hist = _histogram(g, scratch_ptr + G_BINS, G_BINS, BISECT)  # the seg_start half counts, then is overwritten
-    padded = (tl.where(bins < num_groups, hist, 0) + TILE - 1) // TILE * TILE
+    padded = _padded_counts(hist, bins, num_groups, TILE)
     seg_end = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     # row of the j-th slot of group g in sorted order = seg_start[g] + j - (slots of groups < g) =: row_base[g] + j
     tl.store(scratch_ptr + bins, (seg_end - padded) - (tl.cumsum(hist, axis=0) - hist))
     if BISECT:
         tl.store(scratch_ptr + G_BINS + bins, seg_end - padded)  # seg_start, for the bisection
-    for r0 in range(0, num_rows, CHUNK):
-        tl.store(row_to_slot_ptr + r0 + lane, tl.full((CHUNK,), -1, tl.int32), mask=r0 + lane < num_rows)
+    _fill_padding_rows(row_to_slot_ptr, lane, 0, num_rows, CHUNK)
     tl.debug_barrier()  # row_base and seg_start visible to every thread, the -1 fill done before the live rows land
     if BISECT:
         _store_block_groups(block_group_ptr, scratch_ptr + G_BINS, seg_end, bins, num_groups, total, 0, num_blocks,
