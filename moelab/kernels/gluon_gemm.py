@@ -80,6 +80,12 @@ if gluon is not None:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
+    @gluon.constexpr_function
+    def _acc_layout(block_n, num_warps):
+        """The fp32 accumulators' layout: wgmma m64n{block_n}k16 per warpgroup, the warps stacked along the rows
+        (two warpgroups of 64 rows each for 128-row tiles)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 16])
+
     @gluon.jit
     def _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M: gl.constexpr):
         """(row tile, column block, local expert) of output tile ``t`` of num_m x num_n; expert -1: past the live
@@ -160,9 +166,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
-        # wgmma m64nNk16 per warpgroup: the warps stack along the rows, each warpgroup 64 of them
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
         it = 0
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
@@ -257,8 +261,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         it = 0
