@@ -3,7 +3,8 @@
 #   run(command="MOELAB_COMMIT=<HEAD> bash scripts/device_gluon.sh")
 # Steps (RUNS): tests (TESTS, default tests/test_gluon_gemm.py, stopped after TESTS_S seconds), ab (scripts/gluon_ab.py: each GEMM alone, Gluon against Triton,
 # AB_T tokens, GEMM1_TILES and GEMM2_TILES), layer0 layer1 (the base layer in the bench with MOELAB_GLUON=0, then 1:
-# BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed).
+# BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed), score (not by
+# default: the scorecard's compute-bound points with the in-run ceilings and the torch grouped_mm peer, HEAD as is).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/gluon}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
@@ -22,6 +23,12 @@ for step in ${RUNS:-tests ab layer0 layer1}; do
         --tokens "${BENCH_T:-1024,4096,16384}" --time-budget "$(( ${BENCH_S:-130} - 20 ))" --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1
       echo "$step exit $?"; grep -E "^\| (Qwen|OLMoE|Mixtral|GPT|E64)" "$OUT/$step.log" | head -20; rm -f "$OUT/$step.log" ;;
+    score)
+      PYTHONPATH=$PWD timeout "${SCORE_S:-420}" python3 -m moelab.bench --quick --check-tokens 4 --peers grouped_mm \
+        --graph-max-t 1024 --shape "${SCORE_SHAPES:-qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408}" \
+        --tokens "${SCORE_T:-1024,4096,16384}" --time-budget "$(( ${SCORE_S:-420} - 30 ))" --out "$OUT/score.json" \
+        > "$OUT/score.log" 2>&1
+      echo "score exit $?" ;;
   esac
 done
 el done
