@@ -50,6 +50,7 @@ def test_tiny_base(tmp_path):
     assert "| T | touched | floor µs | moelab triton |" in md
     assert "\n| 1 |" in md and "\n| 8 |" in md
     assert "Command: `python -m moelab.bench --tiny" in md
+    assert "Kernel switches: MOELAB_GLUON=" in md  # which kernels the process could pick
 
 
 def test_tiny_lora(tmp_path):
@@ -187,6 +188,21 @@ def test_reference_rows_is_the_float64_reference():
     assert torch.allclose(got, full[rows], rtol=0, atol=1e-12)
     none = torch.tensor([1, 4])  # checked tokens that all have -1: no adapter slot in the slice
     assert torch.allclose(runner.reference_rows(ctx, s, none, "3x mixed half"), full[none], rtol=0, atol=1e-12)
+
+
+def test_markdown_names_the_kernel_switches(monkeypatch):
+    """The run's env records the switches that pick the triton backend's kernels as the process has them (two runs
+    of an A/B, ``MOELAB_GLUON=0`` and 1, say which is which), and the markdown prints them."""
+    from moelab.kernels import gluon_gemm
+
+    monkeypatch.setattr(gluon_gemm, "GLUON", False)
+    switches = bench.cli.kernel_switches()
+    assert set(switches) == {"MOELAB_GLUON", "MOELAB_TMA", "MOELAB_FAST_LAUNCH", "MOELAB_EAGER_GRAPHS"}
+    assert switches["MOELAB_GLUON"] is False
+    md = bench.markdown({"rows": [], "env": {"switches": switches}})
+    assert "Kernel switches: MOELAB_GLUON=0, MOELAB_TMA=" in md
+    monkeypatch.setattr(gluon_gemm, "GLUON", True)
+    assert "MOELAB_GLUON=1" in bench.markdown({"rows": [], "env": {"switches": bench.cli.kernel_switches()}})
 
 
 def test_markdown_has_the_peak_memory_table():

@@ -118,6 +118,16 @@ def _commit() -> str:
         return "unknown"
 
 
+def kernel_switches() -> dict:
+    """The switches that pick which kernels the triton backend runs, as this process has them: ``MOELAB_GLUON``
+    (the Gluon GEMMs on sm_90), ``MOELAB_TMA`` (TMA loads), ``MOELAB_FAST_LAUNCH``, ``MOELAB_EAGER_GRAPHS``."""
+    from moelab.backends import eager_graphs
+    from moelab.kernels import gluon_gemm, launch, moe_gemm
+
+    return {"MOELAB_GLUON": gluon_gemm.GLUON, "MOELAB_TMA": moe_gemm.TMA, "MOELAB_FAST_LAUNCH": launch.FAST_LAUNCH,
+            "MOELAB_EAGER_GRAPHS": eager_graphs.ENABLED}
+
+
 def _env(device: torch.device) -> dict:
     import triton
 
@@ -126,7 +136,8 @@ def _env(device: torch.device) -> dict:
             "transformers": _version("transformers"), "peft": _version("peft"),
             "liger_kernel": _version("liger-kernel") or _version("liger_kernel"), "moelab": moelab.__version__,
             "commit": _commit(), "python": sys.version.split()[0],
-            "triton_interpret": device.type != "cuda"}  # moelab's kernels: interpreted off CUDA
+            "triton_interpret": device.type != "cuda",  # moelab's kernels: interpreted off CUDA
+            "switches": kernel_switches()}
 
 
 def build_parser() -> argparse.ArgumentParser:
