@@ -29,6 +29,12 @@ def dot_flags(dtype: torch.dtype) -> dict:
                 DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """``t`` can back a TMA descriptor over its last two dimensions: unit column stride, its row stride and base
+    address multiples of 16 bytes."""
+    return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def jit(fn):
     """``triton.jit`` for moelab's kernels, the one place that decides how they run (``moelab._runtime``):
 

@@ -33,6 +33,7 @@ import os
 import torch
 
 from moelab import _runtime
+from moelab.kernels._common import tma_ok
 from moelab.permutation import Segments, cdiv
 
 try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbarriers
@@ -57,8 +58,8 @@ GLUON: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
 #: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM2: 3 stages of 48 KB and a 64 KB epilogue tile fit 227 KB.
 GEMM2_WS_TILE = (256, 64, 3)
 #: (BLOCK_N, BLOCK_K, STAGES) of the Gluon GEMM1: BLOCK_N columns of gate and of up (two accumulators), stages of
-#: 48 KB (the gathered rows, a gate and an up tile) and a 32 KB epilogue tile; STAGES is the launchers' default,
-#: moe_gemm takes :func:`gemm1_stages`'.
+#: 48 KB (the gathered rows, a gate and an up tile) and a 32 KB epilogue tile; STAGES is the deepest ring, which
+#: :func:`gemm1_stages` gives most calls (:func:`gemm1_swiglu_ws` asks it unless given a tile).
 GEMM1_WS_TILE = (128, 64, 4)
 #: GEMM1 runs 4 stages (224 KB with the epilogue tile), except on experts that take the grouped tile order
 #: (group_m > 1: experts of moe_gemm.GROUP_M_MIN_EXPERT_BYTES or more) at up to this many rows an expert, which keep
@@ -356,9 +357,7 @@ def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: t
     if (torch.cuda.get_device_capability(w2.device) != (9, 0) or act.dtype not in (torch.bfloat16, torch.float16)
             or not act.dtype == w2.dtype == out.dtype):
         return False
-    return w2.is_contiguous() and all(
-        t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (act, out, w2.view(-1, w2.shape[-1])))
+    return w2.is_contiguous() and all(map(tma_ok, (act, out, w2)))
 
 
 def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, block_m: int = 128,
@@ -390,16 +389,18 @@ def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: to
 
 
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
-                    block_m: int = 128, tile: tuple[int, int, int] = GEMM1_WS_TILE, group_m: int = 1,
+                    block_m: int = 128, tile: tuple[int, int, int] | None = None, group_m: int = 1,
                     delta: torch.Tensor | None = None, dead_fill: float = 0.0) -> torch.Tensor:
     """``act`` [R, I] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up) over the rows ``segments``
     reaches (tile ``block_m`` = 128; row p's slot s = row_to_slot[p], token t = s // top_k), ``x`` [T, H], ``w13``
     [E_local, 2I, H] ([gate; up] rows), ``delta`` None or contiguous [T*K, 2I] ([up | gate], the slot's row d);
-    ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` as :func:`gemm2_ws`'s. Padding rows get ``dead_fill``.
-    Check :func:`takes_gluon_gemm1` first."""
+    ``tile`` = (BLOCK_N, BLOCK_K, STAGES) (default GEMM1_WS_TILE with :func:`gemm1_stages`' depth for this call),
+    ``group_m`` as :func:`gemm2_ws`'s. Padding rows get ``dead_fill``. Check :func:`takes_gluon_gemm1` first."""
     E_local, two_i, H = w13.shape
     I = two_i // 2
     reach = segments.row_to_slot.numel()
+    if tile is None:
+        tile = GEMM1_WS_TILE[:2] + (gemm1_stages(x.shape[0] * top_k / E_local, group_m),)
     block_n, block_k, stages = tile
     w_desc = _descriptor(w13.view(E_local * two_i, H), [block_n, block_k])
     out_desc = _descriptor(act[:reach], [block_m, block_n])

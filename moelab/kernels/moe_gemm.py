@@ -45,6 +45,7 @@ from moelab.kernels._common import (
     expert_activation,
     jit,
     routing_word_weight,
+    tma_ok,
     to_output,
     wait_for_previous_kernel,
 )
@@ -537,12 +538,6 @@ _GEMM2_NO_LORA = ("s2_ptr", "tile_flags_ptr", "down_b_ptr", "row_to_slot_ptr", "
 _NO_BANK = dict(num_local_experts=0, num_loras=0, max_rank=0)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """``t`` can back a TMA descriptor over its last two dimensions: unit column stride, its row stride and base
-    address multiples of 16 bytes."""
-    return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def takes_tma(config: GemmConfig, hidden_x_inter: int, weight: torch.Tensor, *operands: torch.Tensor,
               min_hi: int | None = None) -> bool:
     """Whether a GEMM of ``config`` over experts of ``hidden_x_inter`` = H * I reads ``weight`` [E_local, N, K]
@@ -551,7 +546,7 @@ def takes_tma(config: GemmConfig, hidden_x_inter: int, weight: torch.Tensor, *op
     if (not TMA or config.block_m < TMA_MIN_BLOCK_M or hidden_x_inter < (TMA_MIN_HI if min_hi is None else min_hi)
             or not weight.is_contiguous()):
         return False
-    if not all(map(_tma_ok, (weight, *operands))):
+    if not all(map(tma_ok, (weight, *operands))):
         return False
     if weight.device.type != "cuda":
         return _runtime.INTERPRET
@@ -590,10 +585,8 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     if (lora is None and not options and (delta is None or delta.is_contiguous())  # plain SwiGLU
             and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act)):  # 128-row tiles, sm_90
-        stages = gluon_gemm.gemm1_stages(x.shape[0] * top_k / w13.shape[0], config.group_m)
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
-                                          tile=gluon_gemm.GEMM1_WS_TILE[:2] + (stages,), group_m=config.group_m,
-                                          delta=delta, dead_fill=dead_fill)
+                                          group_m=config.group_m, delta=delta, dead_fill=dead_fill)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
