@@ -4,7 +4,9 @@
 # Steps (RUNS): tests (TESTS, default tests/test_gluon_gemm.py, stopped after TESTS_S seconds), ab (scripts/gluon_ab.py: each GEMM alone, Gluon against Triton,
 # AB_T tokens, GEMM1_TILES and GEMM2_TILES), layer0 layer1 (the base layer in the bench with MOELAB_GLUON=0, then 1:
 # BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed), score (not by
-# default: the scorecard's compute-bound points with the in-run ceilings and the torch grouped_mm peer, HEAD as is).
+# default: the scorecard's compute-bound points with the in-run ceilings and the torch grouped_mm peer, HEAD as is),
+# lora0 lora1 (not by default: LoRA rows beside the base, LORA_VARIANTS on LORA_SHAPES at LORA_T, graphs up to 1024,
+# with MOELAB_GLUON=0, then 1).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/gluon}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
@@ -23,6 +25,13 @@ for step in ${RUNS:-tests ab layer0 layer1}; do
         --tokens "${BENCH_T:-1024,4096,16384}" --time-budget "$(( ${BENCH_S:-130} - 20 ))" --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1
       echo "$step exit $?"; grep -E "^\| (Qwen|OLMoE|Mixtral|GPT|E64)" "$OUT/$step.log" | head -20; rm -f "$OUT/$step.log" ;;
+    lora0|lora1)
+      MOELAB_GLUON=${step#lora} PYTHONPATH=$PWD timeout "${LORA_S:-150}" python3 -m moelab.bench --quick \
+        --check-tokens 4 --peers none --impls moelab --no-ceilings --graph-max-t 1024 --lora \
+        --lora-variants "${LORA_VARIANTS:-1x all,8x mixed}" --shape "${LORA_SHAPES:-qwen3-30b-a3b;olmoe;mixtral}" \
+        --tokens "${LORA_T:-1024,4096,16384}" --time-budget "$(( ${LORA_S:-150} - 20 ))" --out "$OUT/$step.json" \
+        > "$OUT/$step.log" 2>&1
+      echo "$step exit $?"; grep -E "^\| (Qwen|OLMoE|Mixtral|GPT|E64)" "$OUT/$step.log" | head -40; rm -f "$OUT/$step.log" ;;
     score)
       PYTHONPATH=$PWD timeout "${SCORE_S:-420}" python3 -m moelab.bench --quick --check-tokens 4 --peers grouped_mm \
         --graph-max-t 1024 --shape "${SCORE_SHAPES:-qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408}" \
