@@ -6,7 +6,8 @@
 # BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed), score (not by
 # default: the scorecard's compute-bound points with the in-run ceilings and the torch grouped_mm peer, HEAD as is),
 # lora0 lora1 (not by default: LoRA rows beside the base, LORA_VARIANTS on LORA_SHAPES at LORA_T, graphs up to 1024,
-# with MOELAB_GLUON=0, then 1).
+# with MOELAB_GLUON=0, then 1), lorab (not by default: scripts/gluon_lora_ab.py, a tile-mode bank's LoRAExperts
+# call and its base call with the Gluon GEMMs off and on in one process, LORAB_SHAPES at LORAB_T, LORAB_BANKS).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/gluon}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
@@ -32,6 +33,9 @@ for step in ${RUNS:-tests ab layer0 layer1}; do
         --tokens "${LORA_T:-1024,4096,16384}" --time-budget "$(( ${LORA_S:-150} - 20 ))" --out "$OUT/$step.json" \
         > "$OUT/$step.log" 2>&1
       echo "$step exit $?"; grep -E "^\| (Qwen|OLMoE|Mixtral|GPT|E64)" "$OUT/$step.log" | head -40; rm -f "$OUT/$step.log" ;;
+    lorab) PYTHONPATH=$PWD timeout "${LORAB_S:-200}" python3 scripts/gluon_lora_ab.py \
+          --shape "${LORAB_SHAPES:-qwen3-30b-a3b;olmoe;mixtral}" --tokens "${LORAB_T:-1024,4096,16384}" \
+          --banks "${LORAB_BANKS:-1x16,4x16}" --json "$OUT/gluon_lora_ab.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
     score)
       PYTHONPATH=$PWD timeout "${SCORE_S:-420}" python3 -m moelab.bench --quick --check-tokens 4 --peers grouped_mm \
         --graph-max-t 1024 --shape "${SCORE_SHAPES:-qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408}" \

@@ -7,7 +7,9 @@ tiles, sized off every tile (H not a multiple of GEMM2's 256 columns, I not one 
 experts with no rows and dead tiles, GEMM1 with vLLM's LoRA delta), run through ``moe_gemm`` with NaN-poisoned
 outputs and in debug mode; each Gluon kernel must have run, and GEMM1's activations and GEMM2's rows must match
 float64 products of the same inputs, the padding rows NaN (debug mode's dead fill); the whole layer must match the
-float64 reference.
+float64 reference. With a fused LoRA bank in the tile mode (prefill), ``LoRAExperts`` must run both Gluon kernels
+with the bank and match ``moelab.reference.lora_experts``, its tokens without an adapter the base call's rows bit
+for bit.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import assert_close_to_reference, poison, random_topk_ids, random_weights
+from helpers import assert_close_to_reference, lora_and_base_outputs, poison, random_topk_ids, random_weights
 
 import moelab
 from moelab import reference
-from moelab.kernels import gluon_gemm, moe_gemm
+from moelab.kernels import fused_lora, gluon_gemm, moe_gemm
 from moelab.kernels.segments import build_segments_triton
 
 pytestmark = pytest.mark.skipif(gluon_gemm.gluon is None, reason="this Triton has no Gluon")
@@ -38,6 +40,38 @@ def test_gluon_kernels_compile_for_sm90(gemm, group_m, delta, monkeypatch):
     assert compiled.metadata.shared <= 232448, "more shared memory than an sm_90 block may take"
     if gemm == "gemm1":
         assert "cp.async.cg.shared.global" in ptx, "GEMM1's gathered rows: 16-byte cp.async copies"
+
+
+@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
+@pytest.mark.parametrize("lora", [(1, 16, 16), (4, 16, 16), (2, 32, 24)])
+def test_gluon_kernels_with_a_lora_bank_compile_for_sm90(gemm, lora, monkeypatch):
+    """With a tile-mode LoRA bank of (L_PAD, R_PAD, max_rank) each kernel still fits shared memory, copies the rank
+    vectors and the stacked B in 16-byte ``cp.async`` copies and runs more wgmma than without (the LoRA steps)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    base = gluon_gemm.compile_sm90(gemm).asm["ptx"]
+    compiled = gluon_gemm.compile_sm90(gemm, lora=lora)
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 232448
+    assert ptx.count("cp.async.cg.shared.global") > base.count("cp.async.cg.shared.global")
+    assert ptx.count("wgmma.mma_async") > base.count("wgmma.mma_async")
+
+
+def test_gluon_lora_gate_takes_the_tile_mode_of_narrow_banks():
+    """The Gluon GEMMs fold in the tile mode's operands of banks of at most 64 stacked columns and ranks padded to
+    a multiple of 8; other banks and modes keep the Triton kernels."""
+    def tile_lora(max_loras, max_rank):
+        bank = moelab.LoRABank(max_loras, 4, 64, 32, max_rank)
+        columns = bank.stacked_pads[0] * bank.stacked_pads[1]
+        seg = build_segments_triton(torch.zeros(8, 2, dtype=torch.int32), 4, 128, packed=False)
+        return fused_lora.TileLoRA(bank, torch.zeros(8, dtype=torch.int32), torch.ones(8, 2), seg, 2, 4,
+                                   s13_by_row=torch.zeros(128, 2, columns), s2_by_row=torch.zeros(128, columns),
+                                   tile_flags=torch.ones(1, dtype=torch.int32), shrink_meta={})
+
+    assert gluon_gemm.takes_gluon_lora(tile_lora(1, 16)) and gluon_gemm.takes_gluon_lora(tile_lora(4, 16))
+    assert gluon_gemm.takes_gluon_lora(tile_lora(2, 24))  # padded to 32: 64 columns
+    assert not gluon_gemm.takes_gluon_lora(tile_lora(1, 12)), "rank rows of 24 bytes: no 16-byte copies"
+    assert not gluon_gemm.takes_gluon_lora(tile_lora(8, 16)), "128 stacked columns: two K steps"
+    assert not gluon_gemm.takes_gluon_lora(None)
 
 
 @pytest.mark.parametrize("gemm,stages", [("gemm1", 2), ("gemm2", 1)])
@@ -138,3 +172,41 @@ def test_gluon_takes_only_what_it_handles(monkeypatch):
     monkeypatch.setattr(gluon_gemm, "GLUON", False)
     assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out)
     assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act)
+
+
+#: (T, E, K, H, I, ranks, max_rank, who): a fused bank of adapters of ``ranks`` in the tile mode on 128-row tiles;
+#: who has an adapter: "all" (each token one of the bank's), "half" (every other token -1), "first" (the first 3
+#: tokens: most tiles hold no adapter and skip the LoRA steps)
+LORA_CASES = [(600, 4, 2, 384, 320, (16,), 16, "all"), (1000, 4, 2, 256, 192, (16, 8, 16, 8), 16, "half"),
+              (4096, 8, 2, 512, 256, (64,), 64, "first"), (2000, 4, 2, 256, 320, (24, 16), 24, "all")]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+@pytest.mark.parametrize("T,E,K,H,I,ranks,max_rank,who", LORA_CASES)
+def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks, max_rank, who, monkeypatch):
+    from test_experts import make_bank, random_adapters
+
+    seed = hash((T, E, K, H, I, ranks, who)) % 2**31
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed)
+    bank = make_bank(random_adapters(len(ranks), E, H, I, list(ranks), seed=seed), E, 0, H, I, max_rank,
+                     torch.bfloat16, "cuda")
+    lora_ids = torch.arange(T, device="cuda") % len(ranks)
+    if who == "half":
+        lora_ids[1::2] = -1
+    elif who == "first":
+        lora_ids[3:] = -1
+    calls = []
+    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
+        real = getattr(gluon_gemm, name)
+        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(
+            (_name, k.get("lora") is not None)) or _real(*a, **k))
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="tiles")
+    out, base = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
+    assert ("gemm1_swiglu_ws", True) in calls and ("gemm2_ws", True) in calls, f"no Gluon LoRA launch: {calls}"
+    ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
+    if who == "all":
+        assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test"
+    assert_close_to_reference(out, ref["output"], torch.bfloat16, "output")
+    assert_close_to_reference(base, ref["base"], torch.bfloat16, "base")
+    none = lora_ids < 0
+    assert torch.equal(out[none], base[none]), "tokens without an adapter: the base rows bit for bit"

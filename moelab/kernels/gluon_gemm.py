@@ -2,18 +2,21 @@
 dialect), for sm_90 GPUs and 128-row tiles:
 
     GEMM1:  act[p] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up)     act [R, I]
-    GEMM2:  y[p]   = act[p] @ W2[e]^T                                                  y [R, H]
+    GEMM2:  y[p]   = act[p] @ W2[e]^T + s2[p] @ B_down[e]                              y [R, H]
 
 (notation of ``moelab/kernels/moe_gemm.py``: p a permuted row, t its token, e its tile's local expert, d the
-slot's optional LoRA delta in [up | gate] order). The same products as ``moe_gemm.gemm1_swiglu`` and ``gemm2``
-with plain SwiGLU and without a bias or a fused LoRA bank, in the same order (bit for bit on the shapes measured),
+slot's optional LoRA delta in [up | gate] order, or with a fused bank's tile-mode operands ``TileLoRA``
+d_gate = s_gate[p] @ B_gate[e] and d_up = s_up[p] @ B_up[e]: its stacked rank vectors by row times its stacked
+B, as one more K step each on the tiles holding an adapter). The same products as ``moe_gemm.gemm1_swiglu`` and
+``gemm2`` with plain SwiGLU and without a bias, in the same order (bit for bit on the shapes measured),
 for the compute-bound regime, where Triton's own compilation of those kernels leaves the tensor cores idle while a
 tile's loads and its epilogue run (Triton 3.6 gives sm_90 no warp specialisation). One program per SM walks the
 output tiles (row tile by row tile, or ``GROUP_M`` row tiles down each column block). In it:
 
 - a **load partition** fills a ring of ``STAGES`` shared-memory slots: GEMM2's one warp copies each tile's act and
   W2 blocks through TMA; GEMM1's four warps gather the tile's input rows ``x[t]`` with 16-byte ``cp.async`` copies
-  (TMA cannot gather on Hopper) and copy the gate and up blocks through TMA. One ``ready`` mbarrier a slot (the
+  (TMA cannot gather on Hopper) and copy the gate and up blocks through TMA; a LoRA step's rank vectors and
+  stacked B come by ``cp.async`` (GEMM2's load partition has four warps then). One ``ready`` mbarrier a slot (the
   TMA's byte count, and in GEMM1 the gathered rows' arrival, complete it), one ``empty`` mbarrier a slot (the MMA
   partition frees it);
 - the **MMA partition** (the kernel's ``num_warps`` = 8: two warpgroups, 64 rows each) waits for each slot, runs
@@ -34,6 +37,7 @@ import torch
 
 from moelab import _runtime
 from moelab.kernels._common import tma_ok
+from moelab.kernels.fused_lora import TileLoRA
 from moelab.permutation import Segments, cdiv
 
 try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbarriers
@@ -51,7 +55,9 @@ try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbar
 except ImportError:  # an older Triton: the Triton kernels serve every call
     gluon = None
 
-__all__ = ["GLUON", "compile_sm90", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2"]
+
+__all__ = ["GLUON", "compile_sm90", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2",
+           "takes_gluon_lora"]
 
 #: The Gluon GEMMs on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernels everywhere.
 GLUON: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
@@ -86,6 +92,43 @@ if gluon is not None:
         """The fp32 accumulators' layout: wgmma m64n{block_n}k16 per warpgroup, the warps stacked along the rows
         (two warpgroups of 64 rows each for 128-row tiles)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 16])
+
+    @gluon.constexpr_function
+    def _gather_layout(block_k):
+        """Pointer copies by a 4-warp load partition: 16 bytes a thread, a row's block_k columns across neighbouring
+        threads."""
+        return gl.BlockedLayout([1, 8], [32 // (block_k // 8), block_k // 8], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _copy_rank_vectors(dst, s_ptr, row0, ROW_WIDTH: gl.constexpr, COLUMNS: gl.constexpr):
+        """``cp.async`` the tile's stacked LoRA rank vectors into ``dst`` [BLOCK_M, BLOCK_K]: rows row0.. of ``s``
+        (ROW_WIDTH elements apart), their first COLUMNS columns, zeros past them."""
+        BLOCK_M: gl.constexpr = dst.shape[0]
+        BLOCK_K: gl.constexpr = dst.shape[1]
+        layout: gl.constexpr = _gather_layout(BLOCK_K)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        j = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        ptrs = s_ptr + rows.to(gl.int64)[:, None] * ROW_WIDTH + j[None, :]
+        mask = (rows >= 0)[:, None] & (j < COLUMNS)[None, :]
+        _cp_async(dst, ptrs, mask=mask)
+
+    @gluon.jit
+    def _copy_stacked_b(dst, b_ptr, expert, n0, D_out, num_local_experts, num_loras, MAX_RANK: gl.constexpr,
+                        R_PAD: gl.constexpr):
+        """``cp.async`` this expert's stacked LoRA B tile into ``dst`` [BLOCK_N, BLOCK_K] (K-major, as the weight
+        tiles): row n = output column n0 + n, column j = rank j % R_PAD of adapter j // R_PAD, from the bank
+        ``B [L, E_local, D_out, MAX_RANK]``; zeros past the bank's adapters, its ranks and D_out."""
+        BLOCK_N: gl.constexpr = dst.shape[0]
+        BLOCK_K: gl.constexpr = dst.shape[1]
+        layout: gl.constexpr = _gather_layout(BLOCK_K)
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        j = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        adapter = j // R_PAD
+        rank = j % R_PAD
+        col_offs = (adapter.to(gl.int64) * num_local_experts + expert) * D_out * MAX_RANK + rank
+        ptrs = b_ptr + n.to(gl.int64)[:, None] * MAX_RANK + col_offs[None, :]
+        mask = (n < D_out)[:, None] & ((adapter < num_loras) & (rank < MAX_RANK))[None, :]
+        _cp_async(dst, ptrs, mask=mask)
 
     @gluon.jit
     def _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M: gl.constexpr):
@@ -140,7 +183,9 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
-                              num_m, num_n, k_steps, H, GROUP_M: gl.constexpr):
+                              num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts,
+                              num_loras, GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
+                              R_PAD: gl.constexpr, COLUMNS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -159,11 +204,21 @@ if gluon is not None:
                     _tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
                     _tma_load(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
                     it += 1
+                if LORA:  # one more K step: the tile's weighted W2 rank vectors and the stacked B_down
+                    if gl.load(tile_flags_ptr + pid_m) != 0:
+                        slot = it % STAGES
+                        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                        _copy_rank_vectors(a_bufs.index(slot), s2_ptr, pid_m * BLOCK_M, COLUMNS, COLUMNS)
+                        _copy_stacked_b(w_bufs.index(slot), down_b_ptr, expert, pid_n * BLOCK_N, H,
+                                        num_local_experts, num_loras, MAX_RANK, R_PAD)
+                        async_copy.commit_group()
+                        _rows_landed(ready.index(slot), 0)  # the slot's one arrival, no TMA bytes
+                        it += 1
 
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
-                             num_m, num_n, k_steps, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                             NUM_WARPS: gl.constexpr):
+                             num_m, num_n, k_steps, tile_flags_ptr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             LORA: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
@@ -185,17 +240,32 @@ if gluon is not None:
                     it += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _free_previous_slot(empty, it)
+                if LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
+                    if gl.load(tile_flags_ptr + pid_m) != 0:
+                        slot = it % STAGES
+                        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                        acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
+                                            is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                        it += 1
+                        _free_previous_slot(empty, it)
             _store_tile(out_desc, out_smem, acc, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
+                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                         LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
                          num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         gl.static_assert(STAGES >= 2, "GEMM2's ring needs 2 stages: the MMAs free a stage one step behind")
+        gl.static_assert(COLUMNS <= BLOCK_K, "the stacked LoRA columns are one K step")
+        # the LoRA step's copies take four load warps; TMA alone, one
+        LOAD_WARPS: gl.constexpr = 4 if LORA else 1
+        LOAD_REGS: gl.constexpr = 88 if LORA else 40
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
@@ -205,20 +275,24 @@ if gluon is not None:
         k_steps = gl.cdiv(I, BLOCK_K)
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
-                                    num_live_blocks, num_m, num_n, k_steps, GROUP_M, DEAD_FILL, num_warps)),
+                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, GROUP_M, DEAD_FILL, LORA,
+                                    num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
-                                     num_live_blocks, num_m, num_n, k_steps, H, GROUP_M)),
-        ], [1], [40])
+                                     num_live_blocks, num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr,
+                                     num_local_experts, num_loras, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS)),
+        ], [LOAD_WARPS], [LOAD_REGS])
 
     @gluon.jit
     def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
-                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, GROUP_M: gl.constexpr):
+                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, s13_ptr, tile_flags_ptr,
+                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, GROUP_M: gl.constexpr,
+                              LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                              COLUMNS: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-        # the gathered input rows: 16-byte copies, a row's BLOCK_K columns across neighbouring threads (4 warps)
-        gather: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [4, 1], [1, 0])
+        gather: gl.constexpr = _gather_layout(BLOCK_K)  # the gathered input rows
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
         it = 0
@@ -242,6 +316,23 @@ if gluon is not None:
                     if it > 0:  # the previous step's rows have landed: hand them to the MMAs (its 2nd arrival)
                         _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
                     it += 1
+                if LORA:  # two more K steps: the gate's stacked rank vectors and B, then the up's ([R, 2, COLUMNS]
+                    if gl.load(tile_flags_ptr + pid_m) != 0:  # rows of s13, [up | gate])
+                        for half in gl.static_range(2):
+                            slot = it % STAGES
+                            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                            mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
+                            _copy_rank_vectors(a_bufs.index(slot), s13_ptr + (1 - half) * COLUMNS, pid_m * BLOCK_M,
+                                               2 * COLUMNS, COLUMNS)
+                            if half == 0:
+                                _copy_stacked_b(g_bufs.index(slot), gate_b_ptr, expert, pid_n * BLOCK_N, I,
+                                                num_local_experts, num_loras, MAX_RANK, R_PAD)
+                            else:
+                                _copy_stacked_b(u_bufs.index(slot), up_b_ptr, expert, pid_n * BLOCK_N, I,
+                                                num_local_experts, num_loras, MAX_RANK, R_PAD)
+                            async_copy.commit_group()
+                            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                            it += 1
         if it > 0:
             _rows_landed(ready.index((it + STAGES - 1) % STAGES), 0)
 
@@ -257,8 +348,8 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
-                             HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                             NUM_WARPS: gl.constexpr):
+                             tile_flags_ptr, HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr,
+                             DEAD_FILL: gl.constexpr, LORA: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         STAGES: gl.constexpr = a_bufs.shape[0]
@@ -288,6 +379,21 @@ if gluon is not None:
                     it += 1
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                 _free_previous_slot(empty, it)
+                if LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
+                    if gl.load(tile_flags_ptr + pid_m) != 0:
+                        slot = it % STAGES
+                        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                        acc_gate = warpgroup_mma(a_bufs.index(slot), g_bufs.index(slot).permute((1, 0)), acc_gate,
+                                                 is_async=True)
+                        it += 1
+                        slot = it % STAGES
+                        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                        acc_up = warpgroup_mma(a_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_up,
+                                               is_async=True)
+                        acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
+                        _free_previous_slot(empty, it)
+                        it += 1
+                        _free_previous_slot(empty, it)
                 if HAS_DELTA:  # the slot's LoRA delta, [up | gate], added before the activation, unweighted
                     cols = pid_n * BLOCK_N + tile_cols
                     d_ptrs = delta_ptr + gl.where(row_ok, slots, 0).to(gl.int64)[:, None] * stride_d + cols[None, :]
@@ -300,14 +406,17 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
-                                num_live_blocks, num_rows, H, I, delta_ptr, stride_d, HAS_DELTA: gl.constexpr,
+                                num_live_blocks, num_rows, H, I, delta_ptr, stride_d, s13_ptr, tile_flags_ptr,
+                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, HAS_DELTA: gl.constexpr,
                                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                                DEAD_FILL: gl.constexpr, num_warps: gl.constexpr):
+                                DEAD_FILL: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
+                                R_PAD: gl.constexpr, COLUMNS: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
         # the loads hand a step's rows over only after issuing the next step's: with 2 stages both sides would wait
         gl.static_assert(STAGES >= 3, "GEMM1's ring needs 3 stages")
+        gl.static_assert(COLUMNS <= BLOCK_K, "the stacked LoRA columns are one K step")
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -320,10 +429,11 @@ if gluon is not None:
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                                     block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
-                                    stride_d, HAS_DELTA, GROUP_M, DEAD_FILL, num_warps)),
+                                    stride_d, tile_flags_ptr, HAS_DELTA, GROUP_M, DEAD_FILL, LORA, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
-                                     GROUP_M)),
+                                     s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
+                                     GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS)),
         ], [4], [88])
 
 
@@ -346,6 +456,36 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
+def takes_gluon_lora(lora: TileLoRA) -> bool:
+    """Whether the Gluon GEMMs can fold this fused LoRA bank in: the tile mode's operands (prefill), a bank whose
+    max_rank is a multiple of 8 (16-byte copies of B's rows) and at most one K step (64) of stacked columns."""
+    if not isinstance(lora, TileLoRA):
+        return False
+    bank = lora.bank
+    l_pad, r_pad = bank.stacked_pads
+    operands = (lora.s13_by_row, lora.s2_by_row, bank.up_b, bank.gate_b, bank.down_b)
+    return (bank.max_rank % 8 == 0 and l_pad * r_pad <= GEMM1_WS_TILE[1]
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in operands))
+
+
+def _lora_args(lora: TileLoRA | None, gemm: int, like: torch.Tensor) -> dict:
+    """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or
+    ``like`` in their place (never read: LORA False)."""
+    if lora is None:
+        banks = ("s13_ptr", "up_b_ptr", "gate_b_ptr") if gemm == 1 else ("s2_ptr", "down_b_ptr")
+        return dict.fromkeys(("tile_flags_ptr", *banks), like) | dict(
+            num_local_experts=0, num_loras=0, LORA=False, MAX_RANK=8, R_PAD=8, COLUMNS=8)
+    bank = lora.bank
+    l_pad, r_pad = bank.stacked_pads
+    if gemm == 1:
+        banks = dict(s13_ptr=lora.s13_by_row, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b)
+    else:
+        banks = dict(s2_ptr=lora.s2_by_row, down_b_ptr=bank.down_b)
+    return banks | dict(tile_flags_ptr=lora.tile_flags, num_local_experts=lora.num_local_experts,
+                        num_loras=bank.max_loras, LORA=True, MAX_RANK=bank.max_rank, R_PAD=r_pad,
+                        COLUMNS=l_pad * r_pad)
+
+
 def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: torch.Tensor,
                       out: torch.Tensor) -> bool:
     """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON`` on, an sm_90 GPU (wgmma), segments of 128-row tiles
@@ -361,10 +501,12 @@ def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: t
 
 
 def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, block_m: int = 128,
-             tile: tuple[int, int, int] = GEMM2_WS_TILE, group_m: int = 1, dead_fill: float = 0.0) -> torch.Tensor:
+             tile: tuple[int, int, int] = GEMM2_WS_TILE, group_m: int = 1, dead_fill: float = 0.0,
+             lora: TileLoRA | None = None) -> torch.Tensor:
     """``out`` [R, H] = ``act`` [R, I] @ ``w2`` [E_local, H, I]^T per row tile's expert, over the rows ``segments``
     reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` the tile order's (as
-    ``GemmConfig.group_m``). Check :func:`takes_gluon_gemm2` first."""
+    ``GemmConfig.group_m``); ``lora`` the fused bank's tile-mode operands (+ s2 @ B_down on its tiles) or None.
+    Check :func:`takes_gluon_gemm2` (and :func:`takes_gluon_lora`) first."""
     E_local, H, I = w2.shape
     reach = segments.row_to_slot.numel()
     block_n, block_k, stages = tile
@@ -374,7 +516,8 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
-                           I, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
+                           I, **_lora_args(lora, 2, act), STAGES=stages, GROUP_M=group_m,
+                           DEAD_FILL=dead_fill, num_warps=8)
     return out
 
 
@@ -390,12 +533,15 @@ def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: to
 
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
                     block_m: int = 128, tile: tuple[int, int, int] | None = None, group_m: int = 1,
-                    delta: torch.Tensor | None = None, dead_fill: float = 0.0) -> torch.Tensor:
+                    delta: torch.Tensor | None = None, dead_fill: float = 0.0,
+                    lora: TileLoRA | None = None) -> torch.Tensor:
     """``act`` [R, I] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up) over the rows ``segments``
     reaches (tile ``block_m`` = 128; row p's slot s = row_to_slot[p], token t = s // top_k), ``x`` [T, H], ``w13``
     [E_local, 2I, H] ([gate; up] rows), ``delta`` None or contiguous [T*K, 2I] ([up | gate], the slot's row d);
     ``tile`` = (BLOCK_N, BLOCK_K, STAGES) (default GEMM1_WS_TILE with :func:`gemm1_stages`' depth for this call),
-    ``group_m`` as :func:`gemm2_ws`'s. Padding rows get ``dead_fill``. Check :func:`takes_gluon_gemm1` first."""
+    ``group_m`` as :func:`gemm2_ws`'s; ``lora`` the fused bank's tile-mode operands (+ s_gate @ B_gate and
+    s_up @ B_up before the activation, on its tiles) or None. Padding rows get ``dead_fill``. Check
+    :func:`takes_gluon_gemm1` (and :func:`takes_gluon_lora`) first."""
     E_local, two_i, H = w13.shape
     I = two_i // 2
     reach = segments.row_to_slot.numel()
@@ -408,16 +554,19 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     grid = (min(num_tiles, _multiprocessors(w13.device)),)
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
-                                  delta if delta is not None else x, two_i, HAS_DELTA=delta is not None,
+                                  delta if delta is not None else x, two_i,
+                                  **_lora_args(lora, 1, x),
+                                  HAS_DELTA=delta is not None,
                                   BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
 
 
-def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1, delta: bool = False):
+def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1, delta: bool = False,
+                 lora: tuple[int, int, int] | None = None):
     """The Gluon kernel of ``gemm`` ("gemm1" or "gemm2") compiled for sm_90 on any machine (no GPU needed), bf16, at
-    ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), GEMM1 with a LoRA ``delta`` or without, with the
-    divisibility hints a launch at real shapes gets.
-    Returns Triton's compiled kernel: ``.asm["ptx"]``, ``.metadata.shared`` (bytes)."""
+    ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), GEMM1 with a LoRA ``delta`` or without, with a fused bank's
+    tile-mode LoRA of ``lora`` = (L_PAD, R_PAD, max_rank) or without, with the divisibility hints a launch at real
+    shapes gets. Returns Triton's compiled kernel: ``.asm["ptx"]``, ``.metadata.shared`` (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -426,21 +575,25 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
         return f"tensordesc<bf16[{block[0]}, {block[1]}],{_smem_layout(tuple(block), torch.bfloat16)!r}>"
 
     block_n, block_k, stages = tile or (GEMM1_WS_TILE if gemm == "gemm1" else GEMM2_WS_TILE)
+    l_pad, r_pad, max_rank = lora or (1, 8, 8)
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
+    bank = dict(s13_ptr="*bf16", s2_ptr="*bf16", tile_flags_ptr="*i32", up_b_ptr="*bf16", gate_b_ptr="*bf16",
+                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32")
+    constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
+                      COLUMNS=l_pad * r_pad, STAGES=stages, num_warps=8)
+    hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr")
     if gemm == "gemm1":
         kernel = _gemm1_swiglu_ws_kernel
-        hinted = ("x_ptr", "stride_x", "row_to_slot_ptr", "block_group_ptr", "delta_ptr", "stride_d")
+        hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d")
         args = dict(x_ptr="*bf16", stride_x="i32", row_to_slot_ptr="*i32", top_k="i32",
                     w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles, delta_ptr="*bf16",
-                    stride_d="i32")
-        constexprs = dict(HAS_DELTA=delta, BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=0.0,
-                          num_warps=8)
+                    stride_d="i32", **bank)
+        constexprs |= dict(HAS_DELTA=delta, BLOCK_K=block_k)
     else:
-        kernel, hinted = _gemm2_ws_kernel, ("block_group_ptr",)
+        kernel = _gemm2_ws_kernel
         args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),
-                    **tiles)
-        constexprs = dict(STAGES=stages, GROUP_M=group_m, DEAD_FILL=0.0, num_warps=8)
+                    **tiles, **bank)
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted if name in kernel.arg_names}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

@@ -583,10 +583,11 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
-    if (lora is None and not options and (delta is None or delta.is_contiguous())  # plain SwiGLU
+    lora_ok = lora is None or (delta is None and gluon_gemm.takes_gluon_lora(lora))  # the tile mode's bank
+    if (lora_ok and not options and (delta is None or delta.is_contiguous())  # plain SwiGLU
             and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act)):  # 128-row tiles, sm_90
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
-                                          group_m=config.group_m, delta=delta, dead_fill=dead_fill)
+                                          group_m=config.group_m, delta=delta, dead_fill=dead_fill, lora=lora)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
@@ -608,9 +609,10 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
     W2 term with ``lora``)."""
-    if lora is None and bias is None and gluon_gemm.takes_gluon_gemm2(segments, config.block_m, act, w2, out):
+    if ((lora is None or gluon_gemm.takes_gluon_lora(lora)) and bias is None
+            and gluon_gemm.takes_gluon_gemm2(segments, config.block_m, act, w2, out)):
         return gluon_gemm.gemm2_ws(act, w2, out, segments, block_m=config.block_m, group_m=config.group_m,
-                                   dead_fill=dead_fill)
+                                   dead_fill=dead_fill, lora=lora)
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
     lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
