@@ -59,13 +59,16 @@ def test_gluon_kernels_with_a_lora_bank_compile_for_sm90(gemm, lora, monkeypatch
 def test_gluon_lora_gate_takes_the_tile_mode_of_narrow_banks():
     """The Gluon GEMMs fold in the tile mode's operands of banks of at most 64 stacked columns and ranks padded to
     a multiple of 8; other banks and modes keep the Triton kernels."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU box runs no Triton kernel on CPU tensors)
+
     def tile_lora(max_loras, max_rank):
-        bank = moelab.LoRABank(max_loras, 4, 64, 32, max_rank)
+        bank = moelab.LoRABank(max_loras, 4, 64, 32, max_rank, device=dev)
         columns = bank.stacked_pads[0] * bank.stacked_pads[1]
-        seg = build_segments_triton(torch.zeros(8, 2, dtype=torch.int32), 4, 128, packed=False)
-        return fused_lora.TileLoRA(bank, torch.zeros(8, dtype=torch.int32), torch.ones(8, 2), seg, 2, 4,
-                                   s13_by_row=torch.zeros(128, 2, columns), s2_by_row=torch.zeros(128, columns),
-                                   tile_flags=torch.ones(1, dtype=torch.int32), shrink_meta={})
+        seg = build_segments_triton(torch.zeros(8, 2, dtype=torch.int32, device=dev), 4, 128, packed=False)
+        return fused_lora.TileLoRA(bank, torch.zeros(8, dtype=torch.int32, device=dev), torch.ones(8, 2, device=dev),
+                                   seg, 2, 4, s13_by_row=torch.zeros(128, 2, columns, device=dev),
+                                   s2_by_row=torch.zeros(128, columns, device=dev),
+                                   tile_flags=torch.ones(1, dtype=torch.int32, device=dev), shrink_meta={})
 
     assert gluon_gemm.takes_gluon_lora(tile_lora(1, 16)) and gluon_gemm.takes_gluon_lora(tile_lora(4, 16))
     assert gluon_gemm.takes_gluon_lora(tile_lora(2, 24))  # padded to 32: 64 columns
