@@ -17,6 +17,7 @@ import moelab
 from moelab import reference
 from moelab.backends import eager_graphs, triton_backend
 from moelab.contract import LoRAExpertsCall, RoutedMoECall
+from moelab.kernels import gluon_gemm
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-graph replays need a CUDA GPU (runs on the H200)")
@@ -512,7 +513,11 @@ def test_a_lora_calls_counted_launches_are_the_launches_it_runs(fused, ranks, T_
             return entry(self, *args, **kwargs)
         return launch
 
-    for cls, name in ((ScopedInterpretedFunction, "run"), (CachedLaunchJIT, "_launch")):
+    hooks = [(ScopedInterpretedFunction, "run"), (CachedLaunchJIT, "_launch")]
+    if gluon_gemm.gluon is not None:  # the Gluon GEMMs (sm_90, 128-row tiles) launch through their own class
+        from triton.experimental.gluon._runtime import GluonJITFunction
+        hooks.append((GluonJITFunction, "run"))
+    for cls, name in hooks:
         monkeypatch.setattr(cls, name, counting(getattr(cls, name)))
     device = "cuda" if CUDA else "cpu"
     T_ = triton_backend.FUSED_DECODE_MAX_SLOTS // K + 1 if T_ == "big" else T_
