@@ -77,6 +77,26 @@ def test_gluon_lora_gate_takes_the_tile_mode_of_narrow_banks():
     assert not gluon_gemm.takes_gluon_lora(None)
 
 
+@pytest.mark.parametrize("gemm,options", [("gemm1", {}), ("gemm1", {"group_m": 8}), ("gemm1", {"lora": (4, 16, 16)}),
+                                           ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)})])
+def test_gluon_kernels_spill_no_registers(gemm, options, monkeypatch, tmp_path):
+    """``ptxas -v`` (Triton's own) on each kernel's sm_90 PTX reports no spilled registers: a spilling epilogue
+    pays local-memory traffic on every tile. (GEMM1 with vLLM's delta is left out: its epilogue gather spills,
+    BENCHMARKS.md, "The Gluon GEMMs on the H200".)"""
+    import re
+    import subprocess
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ptx = tmp_path / "kernel.ptx"
+    ptx.write_text(gluon_gemm.compile_sm90(gemm, **options).asm["ptx"])
+    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "k.o")],
+                            capture_output=True, text=True, check=True)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report.stdout + report.stderr)
+    assert spills and all(s == ("0", "0") for s in spills), report.stdout + report.stderr
+
+
 @pytest.mark.parametrize("gemm,stages", [("gemm1", 2), ("gemm2", 1)])
 def test_gluon_rings_too_shallow_do_not_compile(gemm, stages, monkeypatch):
     """A ring too shallow for the hand-over between the partitions would deadlock on the GPU: it fails to compile."""
