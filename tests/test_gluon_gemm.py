@@ -81,7 +81,7 @@ def test_gluon_lora_gate_takes_the_tile_mode_of_narrow_banks():
                                            ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)})])
 def test_gluon_kernels_spill_no_registers(gemm, options, monkeypatch, tmp_path):
     """``ptxas -v`` (Triton's own) on each kernel's sm_90 PTX reports no spilled registers: a spilling epilogue
-    pays local-memory traffic on every tile. (GEMM1 with vLLM's delta is left out: its epilogue gather spills,
+    pays local-memory traffic on every tile. (GEMM1 with vLLM's delta is left out: its epilogue gather spills; see
     BENCHMARKS.md, "The Gluon GEMMs on the H200".)"""
     import re
     import subprocess
