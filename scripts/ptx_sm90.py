@@ -7,7 +7,7 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
     python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
     python scripts/ptx_sm90.py build/ptx --tma --ws  # and those with WARP_SPECIALIZE (compare gemm*_tma_ws.ptx)
-    python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs of gluon_gemm.py (both tile orders)
+    python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs (both tile orders, delta, LoRA)
     python scripts/ptx_sm90.py build/ptx --segments  # also the segments kernels (moelab/kernels/segments.py)
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
@@ -129,9 +129,19 @@ def compile_segments_ptx(kernel, given: dict, num_warps: int) -> str:
     return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps)).asm["ptx"]
 
 
-#: The Gluon GEMMs (``--gluon``): (gemm, tile or None for the default, group_m).
-GLUON = {"gluon_gemm1": ("gemm1", None, 1), "gluon_gemm1_3stages_grouped": ("gemm1", (128, 64, 3), 8),
-         "gluon_gemm2": ("gemm2", None, 1), "gluon_gemm2_grouped": ("gemm2", None, 8)}
+#: The Gluon GEMMs (``--gluon``): name -> compile_sm90's arguments (tile None: the default).
+GLUON = {"gluon_gemm1": dict(gemm="gemm1"), "gluon_gemm1_3stages_grouped": dict(gemm="gemm1", tile=(128, 64, 3),
+                                                                                group_m=8),
+         "gluon_gemm1_delta": dict(gemm="gemm1", delta=True), "gluon_gemm1_lora": dict(gemm="gemm1", lora=(4, 16, 16)),
+         "gluon_gemm2": dict(gemm="gemm2"), "gluon_gemm2_grouped": dict(gemm="gemm2", group_m=8),
+         "gluon_gemm2_lora": dict(gemm="gemm2", lora=(4, 16, 16))}
+
+
+def write_ptx(out_dir: str, name: str, ptx: str) -> None:
+    """``<out_dir>/<name>.ptx``, and a line with its hash."""
+    with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
+        f.write(ptx)
+    print(f"{name:<28} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
 
 
 def main(out_dir: str) -> None:
@@ -139,24 +149,15 @@ def main(out_dir: str) -> None:
     chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {}) \
         | (WS if "--ws" in sys.argv else {})
     for name, (kernel, given) in chosen.items():
-        ptx = compile_ptx(kernel, {**BASE, **given})
-        with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
-            f.write(ptx)
-        print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
+        write_ptx(out_dir, name, compile_ptx(kernel, {**BASE, **given}))
     if "--segments" in sys.argv:
         for name, (kernel, given, warps) in segment_variants().items():
-            ptx = compile_segments_ptx(kernel, given, warps)
-            with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
-                f.write(ptx)
-            print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
+            write_ptx(out_dir, name, compile_segments_ptx(kernel, given, warps))
     if "--gluon" in sys.argv:
         from moelab.kernels import gluon_gemm
 
-        for name, (gemm, tile, group_m) in GLUON.items():
-            ptx = gluon_gemm.compile_sm90(gemm, tile, group_m).asm["ptx"]
-            with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
-                f.write(ptx)
-            print(f"{name:<20} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
+        for name, args in GLUON.items():
+            write_ptx(out_dir, name, gluon_gemm.compile_sm90(**args).asm["ptx"])
 
 
 if __name__ == "__main__":
