@@ -23,8 +23,8 @@ With a fused LoRA bank (``LORA``) the epilogues also expand the bank's rank vect
 :class:`~moelab.kernels.fused_lora.DecodeLoRA` hands the launchers below their LoRA operands.
 
 The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choose_config` picks the tiles. On sm_90
-they hand plain SwiGLU calls on 128-row tiles (no bias or fused LoRA bank; GEMM1 takes a delta) to the Gluon kernels of
-``moelab/kernels/gluon_gemm.py`` (``MOELAB_GLUON=0``: never).
+they hand plain SwiGLU calls on 128-row tiles (no bias; GEMM1 takes a delta, both the tile mode's fused bank) to the
+Gluon kernels of ``moelab/kernels/gluon_gemm.py`` (``MOELAB_GLUON=0``: never).
 """
 
 from __future__ import annotations
