@@ -19,28 +19,13 @@ import json
 import statistics
 
 import torch
-import triton
+from gluon_ab import _time, triton_only  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 import moelab
 from moelab import reference
 from moelab.bench.cli import _split_shapes
-from moelab.kernels import gluon_gemm
 from moelab.lab import rel_err
 from moelab.roofline import get_shape
-
-
-def _time(fn) -> float:
-    return triton.testing.do_bench(fn, return_mode="median") * 1e3
-
-
-def _with_gluon(on: bool, fn):
-    def run():
-        gluon_gemm.GLUON = on
-        try:
-            return fn()
-        finally:
-            gluon_gemm.GLUON = True
-    return run
 
 
 def point(shape, T: int, adapters: int, rank: int, seed: int = 0) -> dict:
@@ -61,7 +46,8 @@ def point(shape, T: int, adapters: int, rank: int, seed: int = 0) -> dict:
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="tiles")
     lora_call = lambda: experts(x, w, ids, lora_ids, has_lora=True, validate=False)  # noqa: E731  (the bench's)
     base_call = lambda: experts(x, w, ids, None, has_lora=False, validate=False)  # noqa: E731
-    outs = {mode: _with_gluon(mode == "gluon", lora_call)() for mode in ("triton", "gluon")}
+    calls = {"triton": (triton_only(lora_call), triton_only(base_call)), "gluon": (lora_call, base_call)}
+    outs = {mode: lora_fn() for mode, (lora_fn, _) in calls.items()}
     check = slice(0, 4)
     ref = reference.lora_experts(x[check], w[check], ids[check], lora_ids[check], w13, w2, bank)["output"]
     row = dict(shape=shape.name, T=T, bank=f"{adapters}x{rank}",
@@ -70,8 +56,8 @@ def point(shape, T: int, adapters: int, rank: int, seed: int = 0) -> dict:
                bitwise=torch.equal(outs["gluon"], outs["triton"]))
     times = {f"{what} {mode}": [] for what in ("lora", "base") for mode in ("triton", "gluon")}
     for mode in ("triton", "gluon", "gluon", "triton"):
-        times[f"lora {mode}"].append(_time(_with_gluon(mode == "gluon", lora_call)))
-        times[f"base {mode}"].append(_time(_with_gluon(mode == "gluon", base_call)))
+        times[f"lora {mode}"].append(_time(calls[mode][0]))
+        times[f"base {mode}"].append(_time(calls[mode][1]))
     row["us"] = {k: statistics.mean(v) for k, v in times.items()}
     row["lora/base"] = {m: row["us"][f"lora {m}"] / row["us"][f"base {m}"] for m in ("triton", "gluon")}
     return row
