@@ -131,6 +131,25 @@ if gluon is not None:
         _cp_async(dst, ptrs, mask=mask)
 
     @gluon.jit
+    def _copy_lora_operands(a_bufs, b_bufs, slot, s_ptr, row0, ROW_WIDTH: gl.constexpr, b_ptr, expert, n0, D_out,
+                            num_local_experts, num_loras, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                            COLUMNS: gl.constexpr):
+        """A LoRA K step's operands into ring slot ``slot``, as one ``cp.async`` group: the tile's rank vectors
+        into ``a_bufs`` (:func:`_copy_rank_vectors`) and the expert's stacked B into ``b_bufs``
+        (:func:`_copy_stacked_b`)."""
+        _copy_rank_vectors(a_bufs.index(slot), s_ptr, row0, ROW_WIDTH, COLUMNS)
+        _copy_stacked_b(b_bufs.index(slot), b_ptr, expert, n0, D_out, num_local_experts, num_loras, MAX_RANK, R_PAD)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _lora_mma(a_bufs, b_bufs, ready, it, acc):
+        """Once K step ``it``'s slot is ready, start acc += rank vectors @ stacked B^T on it (async)."""
+        STAGES: gl.constexpr = a_bufs.shape[0]
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
     def _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M: gl.constexpr):
         """(row tile, column block, local expert) of output tile ``t`` of num_m x num_n; expert -1: past the live
         rows. GROUP_M = 1: each row tile sweeps its column blocks; else GROUP_M row tiles go down each column block
@@ -208,10 +227,9 @@ if gluon is not None:
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         slot = it % STAGES
                         mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                        _copy_rank_vectors(a_bufs.index(slot), s2_ptr, pid_m * BLOCK_M, COLUMNS, COLUMNS)
-                        _copy_stacked_b(w_bufs.index(slot), down_b_ptr, expert, pid_n * BLOCK_N, H,
-                                        num_local_experts, num_loras, MAX_RANK, R_PAD)
-                        async_copy.commit_group()
+                        _copy_lora_operands(a_bufs, w_bufs, slot, s2_ptr, pid_m * BLOCK_M, COLUMNS,
+                                            down_b_ptr, expert, pid_n * BLOCK_N, H, num_local_experts, num_loras,
+                                            MAX_RANK, R_PAD, COLUMNS)
                         _rows_landed(ready.index(slot), 0)  # the slot's one arrival, no TMA bytes
                         it += 1
 
@@ -242,10 +260,7 @@ if gluon is not None:
                 _free_previous_slot(empty, it)
                 if LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
                     if gl.load(tile_flags_ptr + pid_m) != 0:
-                        slot = it % STAGES
-                        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-                        acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
-                                            is_async=True)
+                        acc = _lora_mma(a_bufs, w_bufs, ready, it, acc)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                         it += 1
                         _free_previous_slot(empty, it)
@@ -318,19 +333,14 @@ if gluon is not None:
                     it += 1
                 if LORA:  # two more K steps: the gate's stacked rank vectors and B, then the up's ([R, 2, COLUMNS]
                     if gl.load(tile_flags_ptr + pid_m) != 0:  # rows of s13, [up | gate])
-                        for half in gl.static_range(2):
+                        for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
                             slot = it % STAGES
                             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
                             mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
-                            _copy_rank_vectors(a_bufs.index(slot), s13_ptr + (1 - half) * COLUMNS, pid_m * BLOCK_M,
-                                               2 * COLUMNS, COLUMNS)
-                            if half == 0:
-                                _copy_stacked_b(g_bufs.index(slot), gate_b_ptr, expert, pid_n * BLOCK_N, I,
-                                                num_local_experts, num_loras, MAX_RANK, R_PAD)
-                            else:
-                                _copy_stacked_b(u_bufs.index(slot), up_b_ptr, expert, pid_n * BLOCK_N, I,
-                                                num_local_experts, num_loras, MAX_RANK, R_PAD)
-                            async_copy.commit_group()
+                            _copy_lora_operands(a_bufs, g_bufs if half == 0 else u_bufs, slot,
+                                                s13_ptr + (1 - half) * COLUMNS, pid_m * BLOCK_M, 2 * COLUMNS,
+                                                gate_b_ptr if half == 0 else up_b_ptr, expert, pid_n * BLOCK_N, I,
+                                                num_local_experts, num_loras, MAX_RANK, R_PAD, COLUMNS)
                             _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
                             it += 1
         if it > 0:
@@ -381,15 +391,9 @@ if gluon is not None:
                 _free_previous_slot(empty, it)
                 if LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
                     if gl.load(tile_flags_ptr + pid_m) != 0:
-                        slot = it % STAGES
-                        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-                        acc_gate = warpgroup_mma(a_bufs.index(slot), g_bufs.index(slot).permute((1, 0)), acc_gate,
-                                                 is_async=True)
+                        acc_gate = _lora_mma(a_bufs, g_bufs, ready, it, acc_gate)
                         it += 1
-                        slot = it % STAGES
-                        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-                        acc_up = warpgroup_mma(a_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_up,
-                                               is_async=True)
+                        acc_up = _lora_mma(a_bufs, u_bufs, ready, it, acc_up)
                         acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                         _free_previous_slot(empty, it)
                         it += 1
