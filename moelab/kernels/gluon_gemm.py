@@ -109,7 +109,7 @@ if gluon is not None:
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         j = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
         ptrs = s_ptr + rows.to(gl.int64)[:, None] * ROW_WIDTH + j[None, :]
-        mask = (rows >= 0)[:, None] & (j < COLUMNS)[None, :]
+        mask = (rows >= 0)[:, None] & (j < COLUMNS)[None, :]  # (rows >= 0 always: the mask takes the tile's shape)
         _cp_async(dst, ptrs, mask=mask)
 
     @gluon.jit
