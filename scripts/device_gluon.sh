@@ -6,7 +6,7 @@
 # BENCH_SHAPES at BENCH_T, CUDA graphs up to 4096, eager above; the bench's summary lines printed), score (not by
 # default: the scorecard's compute-bound points with the in-run ceilings and the torch grouped_mm peer, HEAD as is),
 # lora0 lora1 (not by default: LoRA rows beside the base, LORA_VARIANTS on LORA_SHAPES at LORA_T, graphs up to 1024,
-# with MOELAB_GLUON=0, then 1), lorab (not by default: scripts/gluon_lora_ab.py, a tile-mode bank's LoRAExperts
+# with MOELAB_GLUON=0, then 1; LORA_PATHS the paths beside auto), lorab (not by default: scripts/gluon_lora_ab.py, a tile-mode bank's LoRAExperts
 # call and its base call with the Gluon GEMMs off and on in one process, LORAB_SHAPES at LORAB_T, LORAB_BANKS),
 # apply (not by default: `patch -p1 < $PATCH`, a change carried beside the tree; the later steps' files are named
 # with the suffix -patched, so one call times a change against the tree it applies to).
@@ -33,7 +33,7 @@ for step in ${RUNS:-tests ab layer0 layer1}; do
     lora0|lora1)
       MOELAB_GLUON=${step#lora} PYTHONPATH=$PWD timeout "${LORA_S:-150}" python3 -m moelab.bench --quick \
         --check-tokens 4 --peers none --impls moelab --no-ceilings --graph-max-t 1024 --lora \
-        --lora-variants "${LORA_VARIANTS:-1x all,8x mixed}" --shape "${LORA_SHAPES:-qwen3-30b-a3b;olmoe;mixtral}" \
+        --lora-variants "${LORA_VARIANTS:-1x all,8x mixed}" --lora-paths "${LORA_PATHS:-auto}" --shape "${LORA_SHAPES:-qwen3-30b-a3b;olmoe;mixtral}" \
         --tokens "${LORA_T:-1024,4096,16384}" --time-budget "$(( ${LORA_S:-150} - 20 ))" --out "$OUT/$step$SUF.json" \
         > "$OUT/$step.log" 2>&1
       echo "$step exit $?"; grep -E "^\| (Qwen|OLMoE|Mixtral|GPT|E64)" "$OUT/$step.log" | head -40; rm -f "$OUT/$step.log" ;;

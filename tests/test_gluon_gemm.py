@@ -7,9 +7,10 @@ tiles, sized off every tile (H not a multiple of GEMM2's 256 columns, I not one 
 experts with no rows and dead tiles, GEMM1 with vLLM's LoRA delta), run through ``moe_gemm`` with NaN-poisoned
 outputs and in debug mode; each Gluon kernel must have run, and GEMM1's activations and GEMM2's rows must match
 float64 products of the same inputs, the padding rows NaN (debug mode's dead fill); the whole layer must match the
-float64 reference. With a fused LoRA bank in the tile mode (prefill), ``LoRAExperts`` must run both Gluon kernels
-with the bank and match ``moelab.reference.lora_experts``, its tokens without an adapter the base call's rows bit
-for bit.
+float64 reference. With a fused LoRA bank in the tile mode (prefill), or a bank of any width in the adapter loop
+(each adapter of a tile its own K steps; what ``LoRAExperts`` takes by itself for banks wider than the tile mode's 64
+stacked columns), ``LoRAExperts`` must run both Gluon kernels with the bank and match
+``moelab.reference.lora_experts``, its tokens without an adapter the base call's rows bit for bit.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ def test_gluon_kernels_compile_for_sm90(gemm, group_m, delta, monkeypatch):
 
 
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
-@pytest.mark.parametrize("lora", [(1, 16, 16), (4, 16, 16), (2, 32, 24)])
-def test_gluon_kernels_with_a_lora_bank_compile_for_sm90(gemm, lora, monkeypatch):
-    """With a tile-mode LoRA bank of (L_PAD, R_PAD, max_rank) each kernel still fits shared memory, copies the rank
-    vectors and the stacked B in 16-byte ``cp.async`` copies and runs more wgmma than without (the LoRA steps)."""
+@pytest.mark.parametrize("lora,own", [((1, 16, 16), False), ((4, 16, 16), False), ((2, 32, 24), False),
+                                      ((1, 16, 16), True), ((1, 64, 40), True), ((1, 128, 128), True)])
+def test_gluon_kernels_with_a_lora_bank_compile_for_sm90(gemm, lora, own, monkeypatch):
+    """With a tile-mode LoRA bank of (L_PAD, R_PAD, max_rank), or the adapter loop's (``own``), each kernel still
+    fits shared memory, copies the rank vectors and B in 16-byte ``cp.async`` copies and runs more wgmma than
+    without (the LoRA steps)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     base = gluon_gemm.compile_sm90(gemm).asm["ptx"]
-    compiled = gluon_gemm.compile_sm90(gemm, lora=lora)
+    compiled = gluon_gemm.compile_sm90(gemm, lora=lora, lora_own=own)
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.shared <= 232448
     assert ptx.count("cp.async.cg.shared.global") > base.count("cp.async.cg.shared.global")
@@ -77,8 +80,30 @@ def test_gluon_lora_gate_takes_the_tile_mode_of_narrow_banks():
     assert not gluon_gemm.takes_gluon_lora(None)
 
 
+def test_gluon_lora_gate_takes_the_adapter_loop_of_any_width_in_tiles():
+    """The Gluon GEMMs fold in the adapter loop's tile operands (prefill) of any bank width whose ranks fill 16-byte
+    rows; its decode operands (rank vectors by slot, the W2 shrink in GEMM1's epilogue) keep the Triton kernels."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def loop_lora(max_loras, max_rank, decode=False):
+        bank = moelab.LoRABank(max_loras, 4, 64, 32, max_rank, device=dev)
+        r_pad = fused_lora.own_rank_pad(bank)
+        seg = build_segments_triton(torch.zeros(8, 2, dtype=torch.int32, device=dev), 4, 128, packed=False)
+        return fused_lora.AdapterLoopLoRA(bank, torch.zeros(8, dtype=torch.int32, device=dev),
+                                          torch.ones(8, 2, device=dev), seg, 2, 4, decode, bank.rank_table(),
+                                          s13=torch.zeros(128, 2, r_pad, device=dev),
+                                          s2=torch.zeros(128, r_pad, device=dev))
+
+    assert gluon_gemm.takes_gluon_lora(loop_lora(8, 64)) and gluon_gemm.takes_gluon_lora(loop_lora(32, 128))
+    assert not gluon_gemm.takes_gluon_lora(loop_lora(8, 64, decode=True)), "decode: the Triton kernels"
+    assert not gluon_gemm.takes_gluon_lora(loop_lora(8, 12)), "rank rows of 24 bytes: no 16-byte copies"
+
+
 @pytest.mark.parametrize("gemm,options", [("gemm1", {}), ("gemm1", {"group_m": 8}), ("gemm1", {"lora": (4, 16, 16)}),
-                                           ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)})])
+                                           ("gemm1", {"lora": (1, 64, 64), "lora_own": True}),
+                                           ("gemm1", {"lora": (1, 128, 128), "lora_own": True}),
+                                           ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)}),
+                                           ("gemm2", {"lora": (1, 16, 16), "lora_own": True})])
 def test_gluon_kernels_spill_no_registers(gemm, options, monkeypatch, tmp_path):
     """``ptxas -v`` (Triton's own) on each kernel's sm_90 PTX reports no spilled registers: a spilling epilogue
     pays local-memory traffic on every tile. (GEMM1 with vLLM's delta is left out: its epilogue gather spills; see
@@ -197,19 +222,27 @@ def test_gluon_takes_only_what_it_handles(monkeypatch):
     assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act)
 
 
-#: (T, E, K, H, I, ranks, max_rank, who): a fused bank of adapters of ``ranks`` in the tile mode on 128-row tiles;
-#: who has an adapter: "all" (each token one of the bank's), "half" (every other token -1), "first" (the first 3
-#: tokens: most tiles hold no adapter and skip the LoRA steps)
-LORA_CASES = [(600, 4, 2, 384, 320, (16,), 16, "all"), (1000, 4, 2, 256, 192, (16, 8, 16, 8), 16, "half"),
-              (4096, 8, 2, 512, 256, (64,), 64, "first"), (2000, 4, 2, 256, 320, (24, 16), 24, "all")]
+#: (T, E, K, H, I, ranks, max_rank, who, fused): a fused bank of adapters of ``ranks`` on 128-row tiles, in the
+#: tile mode ("tiles"), the adapter loop ("adapter-loop": one adapter, rows unsorted; 3 adapters and more, each
+#: expert's rows sorted by adapter; max_rank 128: two K steps an adapter; ranks off 8 and 16) or as the module
+#: chooses (True: a bank wider than 64 stacked columns takes the adapter loop); who has an adapter: "all" (each token
+#: one of the bank's), "half" (every other token -1), "first" (the first 3 tokens: most tiles hold no adapter and
+#: skip the LoRA steps)
+LORA_CASES = [(600, 4, 2, 384, 320, (16,), 16, "all", "tiles"),
+              (1000, 4, 2, 256, 192, (16, 8, 16, 8), 16, "half", "tiles"),
+              (4096, 8, 2, 512, 256, (64,), 64, "first", "tiles"), (2000, 4, 2, 256, 320, (24, 16), 24, "all", "tiles"),
+              (600, 4, 2, 384, 320, (16,), 16, "all", "adapter-loop"),
+              (4096, 8, 2, 512, 256, (64, 32, 16, 8, 64, 24, 40, 8), 64, "all", True),
+              (3000, 8, 2, 256, 192, (128, 72, 13), 128, "half", "adapter-loop"),
+              (4096, 8, 2, 512, 256, (8, 5, 64), 64, "first", "adapter-loop")]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
-@pytest.mark.parametrize("T,E,K,H,I,ranks,max_rank,who", LORA_CASES)
-def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks, max_rank, who, monkeypatch):
+@pytest.mark.parametrize("T,E,K,H,I,ranks,max_rank,who,fused", LORA_CASES)
+def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks, max_rank, who, fused, monkeypatch):
     from test_experts import make_bank, random_adapters
 
-    seed = hash((T, E, K, H, I, ranks, who)) % 2**31
+    seed = hash((T, E, K, H, I, ranks, who, fused)) % 2**31
     w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed)
     bank = make_bank(random_adapters(len(ranks), E, H, I, list(ranks), seed=seed), E, 0, H, I, max_rank,
                      torch.bfloat16, "cuda")
@@ -222,10 +255,11 @@ def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks,
     for name in ("gemm1_swiglu_ws", "gemm2_ws"):
         real = getattr(gluon_gemm, name)
         monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(
-            (_name, k.get("lora") is not None)) or _real(*a, **k))
-    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="tiles")
+            (_name, type(k.get("lora")).__name__)) or _real(*a, **k))
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused=fused)
     out, base = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
-    assert ("gemm1_swiglu_ws", True) in calls and ("gemm2_ws", True) in calls, f"no Gluon LoRA launch: {calls}"
+    mode = "TileLoRA" if fused == "tiles" else "AdapterLoopLoRA"
+    assert ("gemm1_swiglu_ws", mode) in calls and ("gemm2_ws", mode) in calls, f"no Gluon LoRA launch: {calls}"
     ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
     if who == "all":
         assert ref["lora"].norm() > 0.3 * ref["base"].norm(), "the adapters must matter for this test"
@@ -233,3 +267,29 @@ def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks,
     assert_close_to_reference(base, ref["base"], torch.bfloat16, "base")
     none = lora_ids < 0
     assert torch.equal(out[none], base[none]), "tokens without an adapter: the base rows bit for bit"
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+@pytest.mark.parametrize("min_rows", [48, 10**6])
+def test_a_wide_bank_takes_the_gluon_adapter_loop_from_its_rows_per_pair(min_rows, monkeypatch):
+    """Left to the module, a bank wider than the tile mode's 64 stacked columns runs the adapter loop inside the Gluon
+    GEMMs from ``GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows per (local expert, slot) on (here 128), and vLLM's flow
+    below (the flow's GEMMs take no bank); both match the reference."""
+    from test_experts import make_bank, random_adapters
+
+    from moelab.backends import triton_backend
+
+    monkeypatch.setattr(triton_backend, "GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR", min_rows)
+    T, E, K, H, I, ranks = 4096, 8, 2, 512, 256, (64, 32, 16, 8, 64, 32, 16, 8)
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, 7)
+    bank = make_bank(random_adapters(len(ranks), E, H, I, list(ranks), seed=7), E, 0, H, I, 64, torch.bfloat16, "cuda")
+    lora_ids = torch.randint(0, len(ranks), (T,), generator=torch.Generator().manual_seed(7)).cuda()
+    modes = []
+    real = gluon_gemm.gemm2_ws
+    monkeypatch.setattr(gluon_gemm, "gemm2_ws", lambda *a, **k: modes.append(type(k.get("lora")).__name__) or
+                        real(*a, **k))
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    out, _ = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
+    assert ("AdapterLoopLoRA" in modes) == (min_rows == 48), modes
+    ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], torch.bfloat16, "output")

@@ -30,7 +30,7 @@ import torch
 from moelab import _runtime
 from moelab.backends import eager_graphs, lora_flow
 from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
-from moelab.kernels import fused_lora
+from moelab.kernels import fused_lora, gluon_gemm
 from moelab.kernels.finalize import finalize_triton
 from moelab.kernels.moe_gemm import GemmConfig, choose_config, gemm1_swiglu, gemm2
 from moelab.kernels.segments import MAX_CHUNK, build_segments_triton
@@ -120,6 +120,16 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 #: epilogue a wait on its loads (and at T >= 1024 the shrinks' per-adapter K loops); at 16384 the 8-adapter bank
 #: ties (1 %). 0.5 (T <= 8 here) sits between the two measured points and was not itself measured.
 ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
+
+#: Where the GEMMs run the Gluon kernels (``_gluon_adapter_loop``: sm_90, 128-row tiles), the adapter loop runs inside
+#: them (each adapter of a tile one more K step a 64 ranks of their rings) and takes a wide bank from this many
+#: routed rows per (local expert, bank slot) on: T*K / (E_local * max_loras). Its K steps compute all 128 rows of a
+#: tile for each adapter in it, so they pay where each adapter fills a good part of a tile. H100, 2026-12-06,
+#: ``scripts/profile_lora_banks.py`` (GPU µs of the call's kernels, adapter loop / vLLM's flow), banks of ranks
+#: 64/32/16/8: 8 rows a pair 1.29 (Qwen3-30B-A3B T = 4096, 32 adapters), 16 rows 1.20 (OLMoE T = 4096, 32), 32 rows
+#: 0.99 and 1.01 (Qwen3 T = 4096 with 8, T = 16384 with 32), 64 rows 0.91 (OLMoE T = 4096 with 8, T = 16384 with 32),
+#: 128 rows 0.85 (Qwen3 T = 16384, 8), 256 rows 0.84 (OLMoE T = 16384, 8). 48 sits between the tie and the win.
+GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR = 48
 
 
 #: When the two-launch token-major path (``moelab/kernels/token_major.py``) runs instead of the tiled pipeline, for
@@ -406,6 +416,10 @@ def _lora_eager_cost(call: LoRAExpertsCall) -> tuple[int, int]:
     if (bank is not None and not call.fused) or (launches == 4 and _wide_past_crossover(call, bank)):
         return expert_bytes, FLOW_LAUNCHES
     if launches == 4 and call.path is None and bank is not None and call.topk_ids.numel() > FUSED_DECODE_MAX_SLOTS:
+        if _wide(call, bank):  # the adapter loop in tiles (Gluon): one more where it sorts the rows by adapter
+            slots, E_local = call.topk_ids.numel(), call.weights.num_local_experts
+            return expert_bytes, TILES_LAUNCHES + fused_lora.sorts_by_adapter(
+                slots, E_local, bank.max_loras, fused_lora.adapter_sub_m(slots, E_local, 128, bank.max_loras))
         return expert_bytes, TILES_LAUNCHES
     return expert_bytes, launches
 
@@ -418,10 +432,31 @@ def _lora_unfused(call: LoRAExpertsCall) -> bool:
 
 def _wide_past_crossover(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:
     """Whether ``call`` with ``bank`` (``call.lora``, or the module's) is too wide for the stacked modes, left to the
-    module (no path forced), with more routed rows per local expert than the adapter loop's crossover: vLLM's
-    flow then takes it, unless the token-major path does first."""
+    module (no path forced), with more routed rows per local expert than the adapter loop's crossover, and GEMMs
+    that would not fold the adapter loop into the Gluon kernels: vLLM's flow then takes it, unless the token-major
+    path does first."""
     rows_bound = ADAPTER_LOOP_MAX_ROWS_PER_EXPERT * call.weights.num_local_experts
-    return _wide(call, bank) and call.topk_ids.numel() > rows_bound
+    return _wide(call, bank) and call.topk_ids.numel() > rows_bound and not _gluon_adapter_loop(call, bank)
+
+
+def _gluon_adapter_loop(call: LoRAExpertsCall, bank: LoRABank) -> bool:
+    """Whether the module takes ``bank``'s adapter loop inside the Gluon GEMMs for ``call``: at least
+    ``GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows per (local expert, slot), and GEMMs that would run it there:
+    ``gluon_gemm.GLUON`` on, an sm_90 GPU, 128-row tiles, plain SwiGLU without biases, bf16 or fp16, ranks in
+    16-byte rows (``max_rank`` a multiple of 8). (The GEMMs' own gates have the last word; where they refuse, the
+    Triton kernels run the loop.)"""
+    W, x = call.weights, call.hidden_states
+    rows_per_pair = call.topk_ids.numel() / (W.num_local_experts * bank.max_loras)
+    if not (gluon_gemm.GLUON and x.is_cuda and rows_per_pair >= GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR
+            and bank.max_rank % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+            and not _expert_options(W) and W.gemm1_bias is None and W.gemm2_bias is None
+            and torch.cuda.get_device_capability(x.device) == (9, 0)):
+        return False
+    T, K = call.topk_ids.shape
+    w13, w2 = W.gemm1_weights, W.gemm2_weights
+    cfg = _layout(T, K, w13.shape[0], w2.shape[2], w13.shape[2], call.num_experts, x.dtype,
+                  fused_lora.own_rank_pad(bank), x.device, None, True, _expert_bytes(w13, w2))[0]
+    return cfg.block_m == 128
 
 
 def _wide(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:

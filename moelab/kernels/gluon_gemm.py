@@ -37,7 +37,7 @@ import torch
 
 from moelab import _runtime
 from moelab.kernels._common import tma_ok
-from moelab.kernels.fused_lora import TileLoRA
+from moelab.kernels.fused_lora import AdapterLoopLoRA, TileLoRA, own_rank_pad
 from moelab.permutation import Segments, cdiv
 
 try:  # Gluon ships with Triton 3.4+; its Hopper module with wgmma, TMA and mbarriers
@@ -150,6 +150,61 @@ if gluon is not None:
         return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
+    def _tile_adapters(slots, top_k, lora_ids_ptr, num_loras):
+        """The adapter loop's view of a tile (``fused_lora.py``, "the adapter loop"), in the layout of ``slots`` (the
+        tile's rows' slots, -1 for padding rows): each row's adapter (-1: none, or an id outside the bank), and the
+        lowest and the highest adapter present (``num_loras`` and -1 when none)."""
+        ok = slots >= 0
+        adapters = gl.load(lora_ids_ptr + gl.where(ok, slots // top_k, 0), mask=ok, other=-1).to(gl.int32)
+        adapters = gl.where((adapters >= 0) & (adapters < num_loras), adapters, -1)
+        lo = gl.min(gl.where(adapters >= 0, adapters, num_loras), axis=0)
+        return adapters, lo, gl.max(adapters, axis=0)
+
+    @gluon.jit
+    def _rank_steps(adapters, adapter, ranks_ptr, MAX_RANK: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The K steps of ``adapter`` in a tile: its rank (the bank's rank table, at most MAX_RANK) over BLOCK_K,
+        rounded up; 0 when no row has it."""
+        present = gl.max((adapters == adapter).to(gl.int32), axis=0)
+        rank = gl.minimum(gl.load(ranks_ptr + adapter), MAX_RANK)
+        return gl.where(present != 0, gl.cdiv(rank, BLOCK_K), 0)
+
+    @gluon.jit
+    def _lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK: gl.constexpr, BLOCK_K: gl.constexpr):
+        """All the adapter-loop K steps of a tile (:func:`_rank_steps` summed over its adapters): one gather of the
+        rows' ranks, then a reduction an adapter, no load in the loop (the MMA partition's count)."""
+        row_ranks = gl.load(ranks_ptr + gl.where(adapters >= 0, adapters, 0), mask=adapters >= 0, other=0)
+        row_steps = gl.cdiv(gl.minimum(row_ranks, MAX_RANK), BLOCK_K)
+        steps = 0
+        for adapter in range(lo, hi + 1):
+            steps += gl.max(gl.where(adapters == adapter, row_steps, 0), axis=0)
+        return steps
+
+    @gluon.jit
+    def _copy_own_operands(a_bufs, b_bufs, slot, s_ptr, row0, mine, ROW_WIDTH: gl.constexpr, COLUMNS: gl.constexpr,
+                           b_ptr, adapter, rank0, expert, n0, D_out, num_local_experts, MAX_RANK: gl.constexpr):
+        """One adapter-loop K step's operands into ring slot ``slot``, as one ``cp.async`` group: ``a_bufs`` gets the
+        own rank vectors of the rows ``mine`` (bool [BLOCK_M] in :func:`_gather_layout`'s row slice), ranks rank0..
+        (``s_ptr`` points at rank0 of row 0; rows ROW_WIDTH elements apart, COLUMNS of them; zeros for the other rows
+        and past them), ``b_bufs`` the adapter's B tile [BLOCK_N, BLOCK_K] (K-major) at output columns n0.. and ranks
+        rank0.. of the bank ``B [L, E_local, D_out, MAX_RANK]`` (zeros past D_out and MAX_RANK). The shrinks write
+        zeros past each adapter's rank, so the product stops at its own rank whatever B holds there."""
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        layout: gl.constexpr = _gather_layout(BLOCK_K)
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # 32-bit offsets: fewer registers
+        j = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        s_rows = s_ptr + row0.to(gl.int64) * ROW_WIDTH
+        _cp_async(a_bufs.index(slot), s_rows + (rows * ROW_WIDTH)[:, None] + j[None, :],
+                  mask=mine[:, None] & (j < COLUMNS)[None, :])
+        n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        ranks = rank0 + j
+        b_rows = b_ptr + ((adapter * num_local_experts + expert).to(gl.int64) * D_out + n0) * MAX_RANK
+        _cp_async(b_bufs.index(slot), b_rows + (n * MAX_RANK)[:, None] + ranks[None, :],
+                  mask=(n < D_out - n0)[:, None] & (ranks < MAX_RANK)[None, :])
+        async_copy.commit_group()
+
+    @gluon.jit
     def _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M: gl.constexpr):
         """(row tile, column block, local expert) of output tile ``t`` of num_m x num_n; expert -1: past the live
         rows. GROUP_M = 1: each row tile sweeps its column blocks; else GROUP_M row tiles go down each column block
@@ -203,8 +258,9 @@ if gluon is not None:
     @gluon.jit
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
                               num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts,
-                              num_loras, GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
-                              R_PAD: gl.constexpr, COLUMNS: gl.constexpr):
+                              num_loras, row_to_slot_ptr, top_k, lora_ids_ptr, ranks_ptr, GROUP_M: gl.constexpr,
+                              LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                              COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -223,7 +279,25 @@ if gluon is not None:
                     _tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
                     _tma_load(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
                     it += 1
-                if LORA:  # one more K step: the tile's weighted W2 rank vectors and the stacked B_down
+                if LORA_OWN:  # the adapter loop: a K step a BLOCK_K ranks of each adapter in the tile, its rows'
+                    # weighted W2 rank vectors and its B_down
+                    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _gather_layout(BLOCK_K)))
+                    adapters, lo, hi = _tile_adapters(gl.load(row_to_slot_ptr + pid_m * BLOCK_M + rows), top_k,
+                                                      lora_ids_ptr, num_loras)
+                    first = it
+                    for adapter in range(lo, hi + 1):
+                        for c in range(_rank_steps(adapters, adapter, ranks_ptr, MAX_RANK, BLOCK_K)):
+                            slot = it % STAGES
+                            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                            _copy_own_operands(a_bufs, w_bufs, slot, s2_ptr + c * BLOCK_K, pid_m * BLOCK_M,
+                                               adapters == adapter, R_PAD, COLUMNS, down_b_ptr, adapter, c * BLOCK_K,
+                                               expert, pid_n * BLOCK_N, H, num_local_experts, MAX_RANK)
+                            if it > first:  # the previous step's copies have landed: its slot's one arrival
+                                _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                            it += 1
+                    if it > first:
+                        _rows_landed(ready.index((it + STAGES - 1) % STAGES), 0)
+                elif LORA:  # one more K step: the tile's weighted W2 rank vectors and the stacked B_down
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         slot = it % STAGES
                         mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -235,17 +309,23 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
-                             num_m, num_n, k_steps, tile_flags_ptr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                             LORA: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             num_m, num_n, k_steps, tile_flags_ptr, row_to_slot_ptr, top_k, lora_ids_ptr, ranks_ptr,
+                             num_loras, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
+        tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         it = 0
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             acc = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
+                if LORA_OWN:  # the tile's adapters, read before the K loop hides the loads
+                    adapters, lo, hi = _tile_adapters(gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows), top_k,
+                                                      lora_ids_ptr, num_loras)
                 for k in range(k_steps):
                     slot = it % STAGES
                     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -258,7 +338,13 @@ if gluon is not None:
                     it += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _free_previous_slot(empty, it)
-                if LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
+                if LORA_OWN:  # W2 LoRA: acc += s_down @ B_down, adapter by adapter, BLOCK_K ranks a K step
+                    for _ in range(_lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK, BLOCK_K)):
+                        acc = _lora_mma(a_bufs, w_bufs, ready, it, acc)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                        it += 1
+                        _free_previous_slot(empty, it)
+                elif LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         acc = _lora_mma(a_bufs, w_bufs, ready, it, acc)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -269,18 +355,19 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
-                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras,
-                         STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                         LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_to_slot_ptr, top_k,
+                         lora_ids_ptr, ranks_ptr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                         DEAD_FILL: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                         COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         gl.static_assert(STAGES >= 2, "GEMM2's ring needs 2 stages: the MMAs free a stage one step behind")
         gl.static_assert(COLUMNS <= BLOCK_K, "the stacked LoRA columns are one K step")
-        # the LoRA step's copies take four load warps; TMA alone, one
+        # the LoRA step's copies take four load warps; TMA alone, one; the adapter loop's (a loop over the tile's
+        # adapters) spill at 88 registers
         LOAD_WARPS: gl.constexpr = 4 if LORA else 1
-        LOAD_REGS: gl.constexpr = 88 if LORA else 40
+        LOAD_REGS: gl.constexpr = (120 if LORA_OWN else 88) if LORA else 40
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
@@ -290,19 +377,21 @@ if gluon is not None:
         k_steps = gl.cdiv(I, BLOCK_K)
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
-                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, GROUP_M, DEAD_FILL, LORA,
+                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, row_to_slot_ptr, top_k,
+                                    lora_ids_ptr, ranks_ptr, num_loras, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN,
                                     num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
                                      num_live_blocks, num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr,
-                                     num_local_experts, num_loras, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS)),
+                                     num_local_experts, num_loras, row_to_slot_ptr, top_k, lora_ids_ptr, ranks_ptr,
+                                     GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
     @gluon.jit
     def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
                               block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, s13_ptr, tile_flags_ptr,
-                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, GROUP_M: gl.constexpr,
-                              LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
-                              COLUMNS: gl.constexpr):
+                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, lora_ids_ptr, ranks_ptr,
+                              GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
+                              R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -331,7 +420,23 @@ if gluon is not None:
                     if it > 0:  # the previous step's rows have landed: hand them to the MMAs (its 2nd arrival)
                         _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
                     it += 1
-                if LORA:  # two more K steps: the gate's stacked rank vectors and B, then the up's ([R, 2, COLUMNS]
+                if LORA_OWN:  # the adapter loop: two K steps a BLOCK_K ranks of each adapter in the tile, the gate's
+                    # own rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
+                    adapters, lo, hi = _tile_adapters(slots, top_k, lora_ids_ptr, num_loras)
+                    for adapter in range(lo, hi + 1):
+                        for c in range(_rank_steps(adapters, adapter, ranks_ptr, MAX_RANK, BLOCK_K)):
+                            for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
+                                slot = it % STAGES
+                                mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                                mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
+                                _copy_own_operands(a_bufs, g_bufs if half == 0 else u_bufs, slot,
+                                                   s13_ptr + (1 - half) * R_PAD + c * BLOCK_K, pid_m * BLOCK_M,
+                                                   adapters == adapter, 2 * R_PAD, COLUMNS,
+                                                   gate_b_ptr if half == 0 else up_b_ptr, adapter, c * BLOCK_K,
+                                                   expert, pid_n * BLOCK_N, I, num_local_experts, MAX_RANK)
+                                _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                                it += 1
+                elif LORA:  # two more K steps: the gate's stacked rank vectors and B, then the up's ([R, 2, COLUMNS]
                     if gl.load(tile_flags_ptr + pid_m) != 0:  # rows of s13, [up | gate])
                         for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
                             slot = it % STAGES
@@ -358,10 +463,12 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
-                             tile_flags_ptr, HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr,
-                             DEAD_FILL: gl.constexpr, LORA: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             tile_flags_ptr, top_k, lora_ids_ptr, ranks_ptr, num_loras, HAS_DELTA: gl.constexpr,
+                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
@@ -373,6 +480,8 @@ if gluon is not None:
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
                 row_ok = slots >= 0
+                if LORA_OWN:  # the tile's adapters, read before the K loop hides the loads
+                    adapters, lo, hi = _tile_adapters(slots, top_k, lora_ids_ptr, num_loras)
                 acc_gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 for k in range(k_steps):
@@ -389,7 +498,16 @@ if gluon is not None:
                     it += 1
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                 _free_previous_slot(empty, it)
-                if LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
+                if LORA_OWN:  # W13 LoRA before the activation, adapter by adapter: two K steps a BLOCK_K ranks
+                    for _ in range(_lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK, BLOCK_K)):
+                        acc_gate = _lora_mma(a_bufs, g_bufs, ready, it, acc_gate)
+                        it += 1
+                        acc_up = _lora_mma(a_bufs, u_bufs, ready, it, acc_up)
+                        acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
+                        _free_previous_slot(empty, it)
+                        it += 1
+                        _free_previous_slot(empty, it)
+                elif LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         acc_gate = _lora_mma(a_bufs, g_bufs, ready, it, acc_gate)
                         it += 1
@@ -411,10 +529,11 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
                                 num_live_blocks, num_rows, H, I, delta_ptr, stride_d, s13_ptr, tile_flags_ptr,
-                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, HAS_DELTA: gl.constexpr,
-                                BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                                DEAD_FILL: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
-                                R_PAD: gl.constexpr, COLUMNS: gl.constexpr, num_warps: gl.constexpr):
+                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, lora_ids_ptr, ranks_ptr,
+                                HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                                MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
+                                LORA_OWN: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
@@ -433,12 +552,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                                     block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
-                                    stride_d, tile_flags_ptr, HAS_DELTA, GROUP_M, DEAD_FILL, LORA, num_warps)),
+                                    stride_d, tile_flags_ptr, top_k, lora_ids_ptr, ranks_ptr, num_loras, HAS_DELTA,
+                                    GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
                                      s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
-                                     GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS)),
-        ], [4], [88])
+                                     lora_ids_ptr, ranks_ptr, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
+        ], [4], [120 if LORA_OWN else 88])  # the adapter loop's copies spill at 88 registers
 
 
 @functools.cache
@@ -460,34 +580,51 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
-def takes_gluon_lora(lora: TileLoRA) -> bool:
-    """Whether the Gluon GEMMs can fold this fused LoRA bank in: the tile mode's operands (prefill), a bank whose
-    max_rank is a multiple of 8 (16-byte copies of B's rows) and at most one K step (64) of stacked columns."""
-    if not isinstance(lora, TileLoRA):
+def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
+    """Whether the Gluon GEMMs can fold this fused LoRA bank in, with a bank whose max_rank is a multiple of 8
+    (16-byte copies of B's rows): the tile mode's operands (prefill) of at most one K step (64) of stacked columns,
+    or the adapter loop's tile operands (prefill, any width: each adapter of a tile its own K steps)."""
+    if isinstance(lora, TileLoRA):
+        l_pad, r_pad = lora.bank.stacked_pads
+        operands = (lora.s13_by_row, lora.s2_by_row)
+        if l_pad * r_pad > GEMM1_WS_TILE[1]:
+            return False
+    elif isinstance(lora, AdapterLoopLoRA) and not lora.decode:
+        operands = (lora.s13, lora.s2, lora.ranks, lora.lora_ids)
+    else:
         return False
     bank = lora.bank
-    l_pad, r_pad = bank.stacked_pads
-    operands = (lora.s13_by_row, lora.s2_by_row, bank.up_b, bank.gate_b, bank.down_b)
-    return (bank.max_rank % 8 == 0 and l_pad * r_pad <= GEMM1_WS_TILE[1]
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in operands))
+    operands += (bank.up_b, bank.gate_b, bank.down_b)
+    return bank.max_rank % 8 == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in operands)
 
 
-def _lora_args(lora: TileLoRA | None, gemm: int, like: torch.Tensor) -> dict:
-    """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or
-    ``like`` in their place (never read: LORA False)."""
+def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor) -> dict:
+    """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or the
+    adapter loop's own rank vectors by row, adapter ids, rank table and B banks (LORA_OWN), or ``like`` in their
+    place (never read: LORA False). GEMM2's ``row_to_slot_ptr`` and ``top_k`` come from the caller."""
+    unused = dict.fromkeys(("tile_flags_ptr", "lora_ids_ptr", "ranks_ptr"), like)
     if lora is None:
         banks = ("s13_ptr", "up_b_ptr", "gate_b_ptr") if gemm == 1 else ("s2_ptr", "down_b_ptr")
-        return dict.fromkeys(("tile_flags_ptr", *banks), like) | dict(
-            num_local_experts=0, num_loras=0, LORA=False, MAX_RANK=8, R_PAD=8, COLUMNS=8)
+        return unused | dict.fromkeys(banks, like) | dict(
+            num_local_experts=0, num_loras=0, LORA=False, MAX_RANK=8, R_PAD=8, COLUMNS=8, LORA_OWN=False)
     bank = lora.bank
-    l_pad, r_pad = bank.stacked_pads
-    if gemm == 1:
-        banks = dict(s13_ptr=lora.s13_by_row, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b)
+    own = isinstance(lora, AdapterLoopLoRA)
+    if own:  # rows of s13 [up | gate] and of s2 are R_PAD wide; a K step copies BLOCK_K ranks of them at most
+        r_pad = own_rank_pad(bank)
+        columns = min(r_pad, GEMM1_WS_TILE[1])
+        s13, s2 = lora.s13, lora.s2
+        unused |= dict(lora_ids_ptr=lora.lora_ids, ranks_ptr=lora.ranks)
     else:
-        banks = dict(s2_ptr=lora.s2_by_row, down_b_ptr=bank.down_b)
-    return banks | dict(tile_flags_ptr=lora.tile_flags, num_local_experts=lora.num_local_experts,
-                        num_loras=bank.max_loras, LORA=True, MAX_RANK=bank.max_rank, R_PAD=r_pad,
-                        COLUMNS=l_pad * r_pad)
+        l_pad, r_pad = bank.stacked_pads
+        columns = l_pad * r_pad
+        s13, s2 = lora.s13_by_row, lora.s2_by_row
+        unused |= dict(tile_flags_ptr=lora.tile_flags)
+    if gemm == 1:
+        banks = dict(s13_ptr=s13, up_b_ptr=bank.up_b, gate_b_ptr=bank.gate_b)
+    else:
+        banks = dict(s2_ptr=s2, down_b_ptr=bank.down_b)
+    return unused | banks | dict(num_local_experts=lora.num_local_experts, num_loras=bank.max_loras, LORA=True,
+                                 MAX_RANK=bank.max_rank, R_PAD=r_pad, COLUMNS=columns, LORA_OWN=own)
 
 
 def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: torch.Tensor,
@@ -506,10 +643,11 @@ def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: t
 
 def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, block_m: int = 128,
              tile: tuple[int, int, int] = GEMM2_WS_TILE, group_m: int = 1, dead_fill: float = 0.0,
-             lora: TileLoRA | None = None) -> torch.Tensor:
+             lora: TileLoRA | AdapterLoopLoRA | None = None) -> torch.Tensor:
     """``out`` [R, H] = ``act`` [R, I] @ ``w2`` [E_local, H, I]^T per row tile's expert, over the rows ``segments``
     reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` the tile order's (as
-    ``GemmConfig.group_m``); ``lora`` the fused bank's tile-mode operands (+ s2 @ B_down on its tiles) or None.
+    ``GemmConfig.group_m``); ``lora`` the fused bank's tile-mode or adapter-loop operands (+ s2 @ B_down on its
+    tiles) or None.
     Check :func:`takes_gluon_gemm2` (and :func:`takes_gluon_lora`) first."""
     E_local, H, I = w2.shape
     reach = segments.row_to_slot.numel()
@@ -520,7 +658,8 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
-                           I, **_lora_args(lora, 2, act), STAGES=stages, GROUP_M=group_m,
+                           I, row_to_slot_ptr=segments.row_to_slot, top_k=lora.top_k if lora is not None else 1,
+                           **_lora_args(lora, 2, act), STAGES=stages, GROUP_M=group_m,
                            DEAD_FILL=dead_fill, num_warps=8)
     return out
 
@@ -538,13 +677,13 @@ def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: to
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
                     block_m: int = 128, tile: tuple[int, int, int] | None = None, group_m: int = 1,
                     delta: torch.Tensor | None = None, dead_fill: float = 0.0,
-                    lora: TileLoRA | None = None) -> torch.Tensor:
+                    lora: TileLoRA | AdapterLoopLoRA | None = None) -> torch.Tensor:
     """``act`` [R, I] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up) over the rows ``segments``
     reaches (tile ``block_m`` = 128; row p's slot s = row_to_slot[p], token t = s // top_k), ``x`` [T, H], ``w13``
     [E_local, 2I, H] ([gate; up] rows), ``delta`` None or contiguous [T*K, 2I] ([up | gate], the slot's row d);
     ``tile`` = (BLOCK_N, BLOCK_K, STAGES) (default GEMM1_WS_TILE with :func:`gemm1_stages`' depth for this call),
-    ``group_m`` as :func:`gemm2_ws`'s; ``lora`` the fused bank's tile-mode operands (+ s_gate @ B_gate and
-    s_up @ B_up before the activation, on its tiles) or None. Padding rows get ``dead_fill``. Check
+    ``group_m`` as :func:`gemm2_ws`'s; ``lora`` the fused bank's tile-mode or adapter-loop operands (+ s_gate @ B_gate
+    and s_up @ B_up before the activation, on its tiles) or None. Padding rows get ``dead_fill``. Check
     :func:`takes_gluon_gemm1` (and :func:`takes_gluon_lora`) first."""
     E_local, two_i, H = w13.shape
     I = two_i // 2
@@ -566,11 +705,12 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
 
 
 def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1, delta: bool = False,
-                 lora: tuple[int, int, int] | None = None):
+                 lora: tuple[int, int, int] | None = None, lora_own: bool = False):
     """The Gluon kernel of ``gemm`` ("gemm1" or "gemm2") compiled for sm_90 on any machine (no GPU needed), bf16, at
     ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), GEMM1 with a LoRA ``delta`` or without, with a fused bank's
-    tile-mode LoRA of ``lora`` = (L_PAD, R_PAD, max_rank) or without, with the divisibility hints a launch at real
-    shapes gets. Returns Triton's compiled kernel: ``.asm["ptx"]``, ``.metadata.shared`` (bytes)."""
+    tile-mode LoRA of ``lora`` = (L_PAD, R_PAD, max_rank) or without (``lora_own``: the adapter loop's, L_PAD 1),
+    with the divisibility hints a launch at real shapes gets. Returns Triton's compiled kernel: ``.asm["ptx"]``,
+    ``.metadata.shared`` (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -582,10 +722,11 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     l_pad, r_pad, max_rank = lora or (1, 8, 8)
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
     bank = dict(s13_ptr="*bf16", s2_ptr="*bf16", tile_flags_ptr="*i32", up_b_ptr="*bf16", gate_b_ptr="*bf16",
-                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32")
+                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", lora_ids_ptr="*i32", ranks_ptr="*i32")
     constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
-                      COLUMNS=l_pad * r_pad, STAGES=stages, num_warps=8)
-    hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr")
+                      COLUMNS=min(r_pad, block_k) if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
+                      num_warps=8)
+    hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr")
     if gemm == "gemm1":
         kernel = _gemm1_swiglu_ws_kernel
         hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d")
@@ -596,7 +737,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     else:
         kernel = _gemm2_ws_kernel
         args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),
-                    **tiles, **bank)
+                    row_to_slot_ptr="*i32", top_k="i32", **tiles, **bank)
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted if name in kernel.arg_names}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)

@@ -1,0 +1,67 @@
+"""Where the GPU time of a prefill ``LoRAExperts`` call with a serving bank goes, kernel by kernel (torch.profiler's
+CUDA activity): the base call beside the bank on each path asked for (``auto``: the module's own choice; a wide bank
+on an sm_90 GPU takes the adapter loop inside the Gluon GEMMs). Banks as the bench's "Nx mixed" (ranks 64/32/16/8 in
+turn, tokens spread uniformly). GPU only; prints a table.
+
+    python scripts/profile_lora_banks.py [--shape qwen3-30b-a3b] [--tokens 4096,16384] [--adapters 8,32]
+                                         [--paths auto,flow]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from profile_lora_tm import kernel_times
+
+import moelab
+from moelab.bench.runner import MIXED_RANKS
+from moelab.roofline import get_shape
+
+
+def mixed_bank(E: int, H: int, I: int, adapters: int, dev) -> moelab.LoRABank:
+    ranks = [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(adapters)]
+    bank = moelab.LoRABank(adapters, E, H, I, max(ranks), dtype=torch.bfloat16, device=dev)
+    for slot, r in enumerate(ranks):
+        bank.set(slot, gate_a=torch.randn(E, r, H, device=dev) / H**0.5, up_a=torch.randn(E, r, H, device=dev) / H**0.5,
+                 gate_b=torch.randn(E, I, r, device=dev) * 0.1, up_b=torch.randn(E, I, r, device=dev) * 0.1,
+                 down_a=torch.randn(E, r, I, device=dev) / I**0.5, down_b=torch.randn(E, H, r, device=dev) * 0.1)
+    return bank
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--adapters", default="8,32")
+    p.add_argument("--paths", default="auto,flow")
+    p.add_argument("--calls", type=int, default=20)
+    a = p.parse_args()
+    s, dev = get_shape(a.shape), torch.device("cuda")
+    E, K, H, I = s.E, s.K, s.H, s.I
+    w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) / H**0.5
+    w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / I**0.5
+    base = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton")
+    for T in map(int, a.tokens.split(",")):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        w, ids = moelab.route(torch.randn(T, E, device=dev), K)
+        print(f"\n## {a.shape} T={T} (E{E} K{K} H{H} I{I}): GPU µs per call, by kernel")
+        calls = {"base": lambda: base(x, w, ids, None, validate=False)}
+        for n in map(int, a.adapters.split(",")):
+            bank = mixed_bank(E, H, I, n, dev)
+            lora_ids = torch.randint(0, n, (T,), device=dev, dtype=torch.int32)
+            for path in a.paths.split(","):
+                mod = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton",
+                                         fused=True if path == "auto" else path)
+                calls[f"{n} adapters, {path}"] = lambda m=mod, li=lora_ids: m(x, w, ids, li, has_lora=True,
+                                                                              validate=False)
+        for label, fn in calls.items():
+            times = kernel_times(fn, a.calls)
+            parts = ", ".join(f"{k.split('_kernel')[0].lstrip('_')[:40]} {v:.1f}" for k, v in
+                              sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0)
+            print(f"- {label}: total {sum(times.values()):.1f} | {parts}")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
