@@ -100,14 +100,14 @@ def test_gluon_lora_gate_takes_the_adapter_loop_of_any_width_in_tiles():
 
 
 @pytest.mark.parametrize("gemm,options", [("gemm1", {}), ("gemm1", {"group_m": 8}), ("gemm1", {"lora": (4, 16, 16)}),
+                                           ("gemm1", {"delta": True}),
                                            ("gemm1", {"lora": (1, 64, 64), "lora_own": True}),
                                            ("gemm1", {"lora": (1, 128, 128), "lora_own": True}),
                                            ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)}),
                                            ("gemm2", {"lora": (1, 16, 16), "lora_own": True})])
 def test_gluon_kernels_spill_no_registers(gemm, options, monkeypatch, tmp_path):
     """``ptxas -v`` (Triton's own) on each kernel's sm_90 PTX reports no spilled registers: a spilling epilogue
-    pays local-memory traffic on every tile. (GEMM1 with vLLM's delta is left out: its epilogue gather spills; see
-    BENCHMARKS.md, "The Gluon GEMMs on the H200".)"""
+    pays local-memory traffic on every tile."""
     import re
     import subprocess
 

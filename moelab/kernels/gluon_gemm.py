@@ -461,6 +461,27 @@ if gluon is not None:
         mbarrier.arrive(bar)
 
     @gluon.jit
+    def _delta_half(buf, d_ptr, stride_d, row_to_slot_ptr, row0, col0, I, acc_layout: gl.constexpr):
+        """One half of the tile's LoRA delta, fp32 [BLOCK_M, BLOCK_N] in ``acc_layout``: rows ``d[slot]`` of the
+        tile's slots (zeros for padding rows and past I), gathered by 16-byte ``cp.async`` copies into ``buf`` and
+        read back from it (the MMA partition's warps; ``buf`` must be free)."""
+        BLOCK_M: gl.constexpr = buf.shape[0]
+        BLOCK_N: gl.constexpr = buf.shape[1]
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [NUM_WARPS, 1],
+                                                [1, 0])
+        slots = gl.load(row_to_slot_ptr + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        ptrs = d_ptr + gl.where(slots >= 0, slots, 0).to(gl.int64)[:, None] * stride_d + cols[None, :]
+        _cp_async(buf, ptrs, mask=(slots >= 0)[:, None] & (cols < I)[None, :])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _partition_barrier()
+        half = buf.load(acc_layout).to(gl.float32)
+        _partition_barrier()  # every warp has read buf before it is written again
+        return half
+
+    @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
                              tile_flags_ptr, top_k, lora_ids_ptr, ranks_ptr, num_loras, HAS_DELTA: gl.constexpr,
@@ -472,7 +493,6 @@ if gluon is not None:
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         it = 0
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
@@ -516,12 +536,15 @@ if gluon is not None:
                         _free_previous_slot(empty, it)
                         it += 1
                         _free_previous_slot(empty, it)
-                if HAS_DELTA:  # the slot's LoRA delta, [up | gate], added before the activation, unweighted
-                    cols = pid_n * BLOCK_N + tile_cols
-                    d_ptrs = delta_ptr + gl.where(row_ok, slots, 0).to(gl.int64)[:, None] * stride_d + cols[None, :]
-                    d_mask = row_ok[:, None] & (cols < I)[None, :]
-                    acc_up += gl.load(d_ptrs, mask=d_mask, other=0.0).to(gl.float32)
-                    acc_gate += gl.load(d_ptrs + I, mask=d_mask, other=0.0).to(gl.float32)
+                if HAS_DELTA:  # the slot's LoRA delta, [up | gate], added before the activation, unweighted:
+                    # each half gathered into out_smem (free once the previous tile's store has read it) and read
+                    # back in the accumulators' layout (a gather in that layout spills registers)
+                    tma.store_wait(pendings=0)
+                    _partition_barrier()
+                    acc_up += _delta_half(out_smem, delta_ptr, stride_d, row_to_slot_ptr, pid_m * BLOCK_M,
+                                          pid_n * BLOCK_N, I, acc_layout)
+                    acc_gate += _delta_half(out_smem, delta_ptr + I, stride_d, row_to_slot_ptr, pid_m * BLOCK_M,
+                                            pid_n * BLOCK_N, I, acc_layout)
                 act = gl.where(row_ok[:, None], acc_gate / (1.0 + gl.exp(-acc_gate)) * acc_up, DEAD_FILL)  # SwiGLU
             _store_tile(out_desc, out_smem, act, pid_m, pid_n)
         tma.store_wait(pendings=0)
@@ -665,11 +688,15 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
 
 
 def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: torch.Tensor,
-                      act: torch.Tensor) -> bool:
-    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out a bias, a LoRA bank,
-    other activations and weights on the input): as :func:`takes_gluon_gemm2`, ``x`` of their dtype with a row
-    stride of a multiple of 16 elements and a 16-byte aligned base (what lets Triton prove its gathered copies 16
-    bytes wide), and H a multiple of GEMM1_WS_TILE's BLOCK_K."""
+                      act: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out a bias, other
+    activations and weights on the input): as :func:`takes_gluon_gemm2`, ``x`` of their dtype with a row stride of a
+    multiple of 16 elements and a 16-byte aligned base (what lets Triton prove its gathered copies 16 bytes wide),
+    and H a multiple of GEMM1_WS_TILE's BLOCK_K; a ``delta`` contiguous, of their dtype, 16-byte aligned, with I a
+    multiple of 16 (its rows are gathered by 16-byte copies too)."""
+    if delta is not None and not (delta.is_contiguous() and delta.dtype == w13.dtype and delta.data_ptr() % 16 == 0
+                                  and w13.shape[1] % 32 == 0):
+        return False
     return (takes_gluon_gemm2(segments, block_m, act, w13, act) and w13.shape[-1] % GEMM1_WS_TILE[1] == 0
             and x.dtype == w13.dtype and x.stride(-1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
 
@@ -729,7 +756,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr")
     if gemm == "gemm1":
         kernel = _gemm1_swiglu_ws_kernel
-        hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d")
+        hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d", "I")
         args = dict(x_ptr="*bf16", stride_x="i32", row_to_slot_ptr="*i32", top_k="i32",
                     w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles, delta_ptr="*bf16",
                     stride_d="i32", **bank)

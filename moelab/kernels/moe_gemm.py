@@ -584,8 +584,8 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
     lora_ok = lora is None or (delta is None and gluon_gemm.takes_gluon_lora(lora))  # the tile mode's bank
-    if (lora_ok and not options and (delta is None or delta.is_contiguous())  # plain SwiGLU
-            and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act)):  # 128-row tiles, sm_90
+    if (lora_ok and not options  # plain SwiGLU, on 128-row tiles of an sm_90 GPU
+            and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act, delta)):
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
                                           group_m=config.group_m, delta=delta, dead_fill=dead_fill, lora=lora)
     if takes_tma(config, H * I, w13):
