@@ -29,6 +29,23 @@ def mixed_bank(E: int, H: int, I: int, adapters: int, dev) -> moelab.LoRABank:
     return bank
 
 
+def calls_at(T: int, base, w13, w2, E: int, K: int, H: int, I: int, adapters: list[int], paths: list[str],
+             dev) -> dict:
+    """The calls to profile at T tokens: the base module, and each mixed bank on each path."""
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    w, ids = moelab.route(torch.randn(T, E, device=dev), K)
+    calls = {"base": lambda: base(x, w, ids, None, validate=False)}
+    for n in adapters:
+        bank = mixed_bank(E, H, I, n, dev)
+        lora_ids = torch.randint(0, n, (T,), device=dev, dtype=torch.int32)
+        for path in paths:
+            mod = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton",
+                                     fused=True if path == "auto" else path)
+            calls[f"{n} adapters, {path}"] = lambda m=mod, li=lora_ids: m(x, w, ids, li, has_lora=True,
+                                                                          validate=False)
+    return calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -43,25 +60,15 @@ def main() -> None:
     w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / I**0.5
     base = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, backend="triton")
     for T in map(int, a.tokens.split(",")):
-        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        w, ids = moelab.route(torch.randn(T, E, device=dev), K)
         print(f"\n## {a.shape} T={T} (E{E} K{K} H{H} I{I}): GPU µs per call, by kernel")
-        calls = {"base": lambda: base(x, w, ids, None, validate=False)}
-        for n in map(int, a.adapters.split(",")):
-            bank = mixed_bank(E, H, I, n, dev)
-            lora_ids = torch.randint(0, n, (T,), device=dev, dtype=torch.int32)
-            for path in a.paths.split(","):
-                mod = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton",
-                                         fused=True if path == "auto" else path)
-                calls[f"{n} adapters, {path}"] = lambda m=mod, li=lora_ids: m(x, w, ids, li, has_lora=True,
-                                                                              validate=False)
+        calls = calls_at(T, base, w13, w2, E, K, H, I, [int(n) for n in a.adapters.split(",")], a.paths.split(","),
+                         dev)
         for label, fn in calls.items():
             times = kernel_times(fn, a.calls)
             parts = ", ".join(f"{k.split('_kernel')[0].lstrip('_')[:40]} {v:.1f}" for k, v in
                               sorted(times.items(), key=lambda kv: -kv[1]) if v >= 1.0)
             print(f"- {label}: total {sum(times.values()):.1f} | {parts}")
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()
