@@ -7,7 +7,7 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx --options   # also the other activations, biases, weight on the input
     python scripts/ptx_sm90.py build/ptx --tma       # also the TMA loads of the wide tiles
     python scripts/ptx_sm90.py build/ptx --tma --ws  # and those with WARP_SPECIALIZE (compare gemm*_tma_ws.ptx)
-    python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs (both tile orders, delta, LoRA)
+    python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs (both tile orders, delta, LoRA modes)
     python scripts/ptx_sm90.py build/ptx --segments  # also the segments kernels (moelab/kernels/segments.py)
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
@@ -134,7 +134,9 @@ GLUON = {"gluon_gemm1": dict(gemm="gemm1"), "gluon_gemm1_3stages_grouped": dict(
                                                                                 group_m=8),
          "gluon_gemm1_delta": dict(gemm="gemm1", delta=True), "gluon_gemm1_lora": dict(gemm="gemm1", lora=(4, 16, 16)),
          "gluon_gemm2": dict(gemm="gemm2"), "gluon_gemm2_grouped": dict(gemm="gemm2", group_m=8),
-         "gluon_gemm2_lora": dict(gemm="gemm2", lora=(4, 16, 16))}
+         "gluon_gemm2_lora": dict(gemm="gemm2", lora=(4, 16, 16)),
+         "gluon_gemm1_adapter_loop": dict(gemm="gemm1", lora=(1, 64, 64), lora_own=True),
+         "gluon_gemm2_adapter_loop": dict(gemm="gemm2", lora=(1, 64, 64), lora_own=True)}
 
 
 def write_ptx(out_dir: str, name: str, ptx: str) -> None:

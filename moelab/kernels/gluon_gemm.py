@@ -150,6 +150,29 @@ if gluon is not None:
         return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
+    def _lora_mma_step(a_bufs, b_bufs, ready, empty, it, acc):
+        """GEMM2's LoRA K step ``it``: acc += rank vectors @ B^T once its slot is ready, waited for, the slot handed
+        back. Returns (acc, it + 1)."""
+        acc = _lora_mma(a_bufs, b_bufs, ready, it, acc)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        it += 1
+        _free_previous_slot(empty, it)
+        return acc, it
+
+    @gluon.jit
+    def _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it, acc_gate, acc_up):
+        """GEMM1's two LoRA K steps ``it`` (gate) and ``it + 1`` (up), both in flight, waited for, their slots handed
+        back. Returns (acc_gate, acc_up, it + 2)."""
+        acc_gate = _lora_mma(a_bufs, g_bufs, ready, it, acc_gate)
+        it += 1
+        acc_up = _lora_mma(a_bufs, u_bufs, ready, it, acc_up)
+        acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
+        _free_previous_slot(empty, it)
+        it += 1
+        _free_previous_slot(empty, it)
+        return acc_gate, acc_up, it
+
+    @gluon.jit
     def _tile_adapters(slots, top_k, lora_ids_ptr, num_loras):
         """The adapter loop's view of a tile (``fused_lora.py``, "the adapter loop"), in the layout of ``slots`` (the
         tile's rows' slots, -1 for padding rows): each row's adapter (-1: none, or an id outside the bank), and the
@@ -340,16 +363,10 @@ if gluon is not None:
                 _free_previous_slot(empty, it)
                 if LORA_OWN:  # W2 LoRA: acc += s_down @ B_down, adapter by adapter, BLOCK_K ranks a K step
                     for _ in range(_lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK, BLOCK_K)):
-                        acc = _lora_mma(a_bufs, w_bufs, ready, it, acc)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                        it += 1
-                        _free_previous_slot(empty, it)
+                        acc, it = _lora_mma_step(a_bufs, w_bufs, ready, empty, it, acc)
                 elif LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
                     if gl.load(tile_flags_ptr + pid_m) != 0:
-                        acc = _lora_mma(a_bufs, w_bufs, ready, it, acc)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                        it += 1
-                        _free_previous_slot(empty, it)
+                        acc, it = _lora_mma_step(a_bufs, w_bufs, ready, empty, it, acc)
             _store_tile(out_desc, out_smem, acc, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
@@ -520,22 +537,12 @@ if gluon is not None:
                 _free_previous_slot(empty, it)
                 if LORA_OWN:  # W13 LoRA before the activation, adapter by adapter: two K steps a BLOCK_K ranks
                     for _ in range(_lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK, BLOCK_K)):
-                        acc_gate = _lora_mma(a_bufs, g_bufs, ready, it, acc_gate)
-                        it += 1
-                        acc_up = _lora_mma(a_bufs, u_bufs, ready, it, acc_up)
-                        acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
-                        _free_previous_slot(empty, it)
-                        it += 1
-                        _free_previous_slot(empty, it)
+                        acc_gate, acc_up, it = _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it,
+                                                                 acc_gate, acc_up)
                 elif LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
                     if gl.load(tile_flags_ptr + pid_m) != 0:
-                        acc_gate = _lora_mma(a_bufs, g_bufs, ready, it, acc_gate)
-                        it += 1
-                        acc_up = _lora_mma(a_bufs, u_bufs, ready, it, acc_up)
-                        acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
-                        _free_previous_slot(empty, it)
-                        it += 1
-                        _free_previous_slot(empty, it)
+                        acc_gate, acc_up, it = _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it,
+                                                                 acc_gate, acc_up)
                 if HAS_DELTA:  # the slot's LoRA delta, [up | gate], added before the activation, unweighted:
                     # each half gathered into out_smem (free once the previous tile's store has read it) and read
                     # back in the accumulators' layout (a gather in that layout spills registers)
