@@ -498,10 +498,15 @@ def test_the_backend_weighs_a_lora_calls_eager_launches():
         assert expert_bytes == (2 * I * H + H * I) * 2 and launches == expect, (fused, ranks, T_, lora, launches)
 
 
-@pytest.mark.parametrize("fused, ranks, T_", [(None, (16, 8), T), (None, (16, 8), "big"), (False, (16, 8), T)])
-def test_a_lora_calls_counted_launches_are_the_launches_it_runs(fused, ranks, T_, monkeypatch):
+@pytest.mark.parametrize("fused, ranks, T_, gluon_loop", [(None, (16, 8), T, False), (None, (16, 8), "big", False),
+                                                        (False, (16, 8), T, False),
+                                                        (None, (16,) * 5, "big", True)])
+def test_a_lora_calls_counted_launches_are_the_launches_it_runs(fused, ranks, T_, gluon_loop, monkeypatch):
     """``_lora_eager_cost``'s count against the Triton launches the call's path runs (interpreted on a CPU,
-    compiled on a GPU): the fused decode mode, the tiles mode past it, vLLM's flow."""
+    compiled on a GPU): the fused decode mode, the tiles mode past it, vLLM's flow, and a wide bank's adapter loop
+    in tiles (where the module takes it on the Gluon GEMMs: ``gluon_loop`` says it would, whatever the machine)."""
+    if gluon_loop:
+        monkeypatch.setattr(triton_backend, "_gluon_adapter_loop", lambda call, bank: True)
     from moelab.kernels.interpret import ScopedInterpretedFunction
     from moelab.kernels.launch import CachedLaunchJIT
 
