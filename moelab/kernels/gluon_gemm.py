@@ -628,10 +628,11 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
     return bank.max_rank % 8 == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in operands)
 
 
-def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor) -> dict:
+def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor, block_k: int) -> dict:
     """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or the
-    adapter loop's own rank vectors by row, adapter ids, rank table and B banks (LORA_OWN), or ``like`` in their
-    place (never read: LORA False). GEMM2's ``row_to_slot_ptr`` and ``top_k`` come from the caller."""
+    adapter loop's own rank vectors by row, adapter ids, rank table and B banks (LORA_OWN; a K step of the call's
+    ``block_k`` ranks), or ``like`` in their place (never read: LORA False). GEMM2's ``row_to_slot_ptr`` and
+    ``top_k`` come from the caller."""
     unused = dict.fromkeys(("tile_flags_ptr", "lora_ids_ptr", "ranks_ptr"), like)
     if lora is None:
         banks = ("s13_ptr", "up_b_ptr", "gate_b_ptr") if gemm == 1 else ("s2_ptr", "down_b_ptr")
@@ -641,7 +642,7 @@ def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.T
     own = isinstance(lora, AdapterLoopLoRA)
     if own:  # rows of s13 [up | gate] and of s2 are R_PAD wide; a K step copies BLOCK_K ranks of them at most
         r_pad = own_rank_pad(bank)
-        columns = min(r_pad, GEMM1_WS_TILE[1])
+        columns = min(r_pad, block_k)
         s13, s2 = lora.s13, lora.s2
         unused |= dict(lora_ids_ptr=lora.lora_ids, ranks_ptr=lora.ranks)
     else:
@@ -689,7 +690,7 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
                            I, row_to_slot_ptr=segments.row_to_slot, top_k=lora.top_k if lora is not None else 1,
-                           **_lora_args(lora, 2, act), STAGES=stages, GROUP_M=group_m,
+                           **_lora_args(lora, 2, act, block_k), STAGES=stages, GROUP_M=group_m,
                            DEAD_FILL=dead_fill, num_warps=8)
     return out
 
@@ -732,7 +733,7 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
                                   delta if delta is not None else x, two_i,
-                                  **_lora_args(lora, 1, x),
+                                  **_lora_args(lora, 1, x, block_k),
                                   HAS_DELTA=delta is not None,
                                   BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
