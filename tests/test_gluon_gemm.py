@@ -293,3 +293,31 @@ def test_a_wide_bank_takes_the_gluon_adapter_loop_from_its_rows_per_pair(min_row
     assert ("AdapterLoopLoRA" in modes) == (min_rows == 48), modes
     ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
     assert_close_to_reference(out, ref["output"], torch.bfloat16, "output")
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+def test_the_gluon_adapter_loop_skips_empty_slots_and_steps_past_64_ranks(monkeypatch):
+    """A bank with slots never set (rank 0) among its adapters, ranks of 96 and 72 (two K steps, the second partly
+    past the rank) and H, I off the Gluon tiles: the adapter loop inside the Gluon GEMMs matches the reference, and
+    tokens on an empty slot or on none get the base call's rows bit for bit."""
+    from test_experts import random_adapters
+
+    T, E, K, H, I = 4096, 8, 2, 384, 320
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, 11)
+    bank = moelab.LoRABank(5, E, H, I, 96, dtype=torch.bfloat16, device="cuda")
+    for slot, rank in ((0, 96), (2, 40), (3, 72)):  # slots 1 and 4 stay empty
+        adapter = random_adapters(1, E, H, I, [rank], seed=slot)[0]
+        bank.set(slot, scaling=0.5, **{k: v.bfloat16().cuda() for k, v in adapter.items()})
+    lora_ids = torch.randint(-1, 5, (T,), generator=torch.Generator().manual_seed(11)).cuda()
+    modes = []
+    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
+        real = getattr(gluon_gemm, name)
+        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: modes.append(
+            (_name, type(k.get("lora")).__name__)) or _real(*a, **k))
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="adapter-loop")
+    out, base = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
+    assert {("gemm1_swiglu_ws", "AdapterLoopLoRA"), ("gemm2_ws", "AdapterLoopLoRA")} <= set(modes), modes
+    ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], torch.bfloat16, "output")
+    empty = (lora_ids < 0) | (lora_ids == 1) | (lora_ids == 4)
+    assert torch.equal(out[empty], base[empty]), "tokens on an empty slot or none: the base rows bit for bit"
