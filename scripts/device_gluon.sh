@@ -9,7 +9,9 @@
 # with MOELAB_GLUON=0, then 1; LORA_PATHS the paths beside auto), lorab (not by default: scripts/gluon_lora_ab.py, a tile-mode bank's LoRAExperts
 # call and its base call with the Gluon GEMMs off and on in one process, LORAB_SHAPES at LORAB_T, LORAB_BANKS),
 # apply (not by default: `patch -p1 < $PATCH`, a change carried beside the tree; the later steps' files are named
-# with the suffix -patched, so one call times a change against the tree it applies to).
+# with the suffix -patched, so one call times a change against the tree it applies to), profile (not by default:
+# scripts/profile_lora_banks.py, each kernel's GPU time of a serving bank's call on PROFILE_PATHS, PROFILE_SHAPES at
+# PROFILE_T), shrinks (not by default: scripts/shrink_sweep.py, the adapter loop's shrinks at other launch shapes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/gluon}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
@@ -40,6 +42,13 @@ for step in ${RUNS:-tests ab layer0 layer1}; do
     lorab) PYTHONPATH=$PWD timeout "${LORAB_S:-200}" python3 scripts/gluon_lora_ab.py \
           --shape "${LORAB_SHAPES:-qwen3-30b-a3b;olmoe;mixtral}" --tokens "${LORAB_T:-1024,4096,16384}" \
           --banks "${LORAB_BANKS:-1x16,4x16}" --json "$OUT/gluon_lora_ab$SUF.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    profile) for shape in ${PROFILE_SHAPES:-qwen3-30b-a3b olmoe}; do
+        (cd scripts && PYTHONPATH=$PWD/.. timeout "${PROFILE_S:-150}" python3 profile_lora_banks.py --shape "$shape" \
+          --tokens "${PROFILE_T:-4096,16384}" --adapters "${PROFILE_ADAPTERS:-8,32}" --paths "${PROFILE_PATHS:-auto,flow}" \
+          2>&1 | grep -v -i warn | tee -a "$OUT/profile$SUF.txt"); done ;;
+    shrinks) (cd scripts && PYTHONPATH=$PWD/.. timeout "${SHRINKS_S:-200}" python3 shrink_sweep.py \
+          --shape "${SHRINKS_SHAPE:-qwen3-30b-a3b}" --tokens "${SHRINKS_T:-4096,16384}" --adapters "${SHRINKS_ADAPTERS:-8}" \
+          2>&1 | grep -v -i warn | tee "$OUT/shrinks$SUF.md") ;;
     score)
       PYTHONPATH=$PWD timeout "${SCORE_S:-420}" python3 -m moelab.bench --quick --check-tokens 4 --peers grouped_mm \
         --graph-max-t 1024 --shape "${SCORE_SHAPES:-qwen3-30b-a3b;olmoe;mixtral;gpt-oss-20b;deepseek-v3;64,6,2048,1408}" \
