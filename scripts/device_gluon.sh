@@ -44,7 +44,7 @@ for step in ${RUNS:-tests ab layer0 layer1}; do
           --banks "${LORAB_BANKS:-1x16,4x16}" --json "$OUT/gluon_lora_ab$SUF.json" 2>&1 | grep -v "^\s*$" | tail -40 ;;
     profile) for shape in ${PROFILE_SHAPES:-qwen3-30b-a3b olmoe}; do
         (cd scripts && PYTHONPATH=$PWD/.. timeout "${PROFILE_S:-150}" python3 profile_lora_banks.py --shape "$shape" \
-          --tokens "${PROFILE_T:-4096,16384}" --adapters "${PROFILE_ADAPTERS:-8,32}" --paths "${PROFILE_PATHS:-auto,flow}" \
+          --tokens "${PROFILE_T:-4096,16384}" --adapters "${PROFILE_ADAPTERS:-8,32}" --paths "${PROFILE_PATHS:-adapter-loop,flow}" \
           2>&1 | grep -v -i warn | tee -a "$OUT/profile$SUF.txt"); done ;;
     shrinks) (cd scripts && PYTHONPATH=$PWD/.. timeout "${SHRINKS_S:-200}" python3 shrink_sweep.py \
           --shape "${SHRINKS_SHAPE:-qwen3-30b-a3b}" --tokens "${SHRINKS_T:-4096,16384}" --adapters "${SHRINKS_ADAPTERS:-8}" \

@@ -1,10 +1,11 @@
 """Where the GPU time of a prefill ``LoRAExperts`` call with a serving bank goes, kernel by kernel (torch.profiler's
-CUDA activity): the base call beside the bank on each path asked for (``auto``: the module's own choice; a wide bank
-on an sm_90 GPU takes the adapter loop inside the Gluon GEMMs). Banks as the bench's "Nx mixed" (ranks 64/32/16/8 in
-turn, tokens spread uniformly). GPU only; prints a table.
+CUDA activity): the base call beside the bank on each path asked for (``auto``: the module's own choice; a name of
+``moelab.experts.LORA_PATHS`` forces that path, e.g. "adapter-loop", which on an sm_90 GPU with 128-row tiles runs
+inside the Gluon GEMMs). Banks as the bench's "Nx mixed" (ranks 64/32/16/8 in turn, tokens spread uniformly). GPU
+only; prints a table.
 
     python scripts/profile_lora_banks.py [--shape qwen3-30b-a3b] [--tokens 4096,16384] [--adapters 8,32]
-                                         [--paths auto,flow]
+                                         [--paths adapter-loop,flow]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def calls_at(T: int, base, w13, w2, E: int, K: int, H: int, I: int, adapters: li
         lora_ids = torch.randint(0, n, (T,), device=dev, dtype=torch.int32)
         for path in paths:
             mod = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton",
-                                     fused=True if path == "auto" else path)
+                                     fused=None if path == "auto" else path)
             calls[f"{n} adapters, {path}"] = lambda m=mod, li=lora_ids: m(x, w, ids, li, has_lora=True,
                                                                           validate=False)
     return calls
@@ -51,7 +52,7 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--adapters", default="8,32")
-    p.add_argument("--paths", default="auto,flow")
+    p.add_argument("--paths", default="adapter-loop,flow")
     p.add_argument("--calls", type=int, default=20)
     a = p.parse_args()
     s, dev = get_shape(a.shape), torch.device("cuda")
