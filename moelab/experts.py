@@ -67,9 +67,11 @@ __all__ = ["LoRAExperts"]
 #: mode by batch size (``moelab.lora.per_slot_by_size`` for the flow's delta kernel). On the triton backend a bank
 #: of at most ``MAX_FUSED_LORA_COLUMNS`` stacked columns takes the stacked modes (decode up to 1024 slots, tiles
 #: above: BENCHMARKS.md, "LoRA paths"), a wider one the adapter loop at small batches and the flow above
-#: (BENCHMARKS.md, "Wide LoRA banks"). The crossovers stand at the constants that choose: ``MAX_FUSED_LORA_COLUMNS``,
-#: ``FUSED_DECODE_MAX_SLOTS`` and ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` of ``moelab.backends.triton_backend``,
-#: ``moelab.lora.PER_SLOT_MAX_BYTES``.
+#: (BENCHMARKS.md, "Wide LoRA banks"), but on an sm_90 GPU's 128-row tiles the adapter loop inside the Gluon GEMMs
+#: from enough rows per (expert, slot) (BENCHMARKS.md, "Serving banks on the Gluon GEMMs"). The crossovers stand at
+#: the constants that choose: ``MAX_FUSED_LORA_COLUMNS``, ``FUSED_DECODE_MAX_SLOTS``,
+#: ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` and ``GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` of
+#: ``moelab.backends.triton_backend``, ``moelab.lora.PER_SLOT_MAX_BYTES``.
 LORA_PATHS = ("tiles", "decode", "adapter-loop", "token-major", "flow", "flow-grouped", "flow-per-slot")
 FUSED_MODES = LORA_PATHS[:4]
 
@@ -86,7 +88,9 @@ class LoRAExperts(nn.Module):
         fused: fold the LoRA into the backend's own kernels (see above). None: where the backend can (the
             triton backend: stacked columns up to ``moelab.backends.triton_backend.MAX_FUSED_LORA_COLUMNS``, L and
             max_rank padded to powers of two and multiplied; a wider bank through the adapter loop at small batches,
-            ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` there, and vLLM's flow above); True: fold at every batch size,
+            ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT`` there, and vLLM's flow above, or on an sm_90 GPU's 128-row tiles
+            through the adapter loop inside the Gluon GEMMs from ``GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows per
+            (expert, slot)); True: fold at every batch size,
             raise where the backend cannot; False: vLLM's unfused flow. A name of ``LORA_PATHS`` forces that one
             path (tests, benchmarks): "tiles" / "decode" / "adapter-loop" / "token-major", a mode of the fused
             path, or "flow" /
