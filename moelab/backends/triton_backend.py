@@ -129,6 +129,8 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #: 64/32/16/8: 8 rows a pair 1.29 (Qwen3-30B-A3B T = 4096, 32 adapters), 16 rows 1.20 (OLMoE T = 4096, 32), 32 rows
 #: 0.99 and 1.01 (Qwen3 T = 4096 with 8, T = 16384 with 32), 64 rows 0.91 (OLMoE T = 4096 with 8, T = 16384 with 32),
 #: 128 rows 0.85 (Qwen3 T = 16384, 8), 256 rows 0.84 (OLMoE T = 16384, 8). 48 sits between the tie and the win.
+#: It counts the bank's slots (``max_loras``), known on the host, not the adapters a batch uses (that would take a
+#: device sync): a bank of 32 slots with 4 in use counts 32, and keeps the flow longer than it needs to.
 GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR = 48
 
 
