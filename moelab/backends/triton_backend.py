@@ -444,19 +444,17 @@ def _wide_past_crossover(call: LoRAExpertsCall, bank: LoRABank | None) -> bool:
 def _gluon_adapter_loop(call: LoRAExpertsCall, bank: LoRABank) -> bool:
     """Whether the module takes ``bank``'s adapter loop inside the Gluon GEMMs for ``call``: at least
     ``GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows per (local expert, slot), and GEMMs that would run it there:
-    ``gluon_gemm.GLUON`` on, an sm_90 GPU, 128-row tiles, plain SwiGLU without biases, bf16 or fp16, ranks in
-    16-byte rows (``max_rank`` a multiple of 8), contiguous weights, H a multiple of the Gluon GEMM1's BLOCK_K, x
-    rows Triton can prove 16-byte aligned (as ``gluon_gemm.takes_gluon_gemm1`` asks). (The GEMMs' own gates have
-    the last word; where they refuse, the Triton kernels run the loop.)"""
+    ``gluon_gemm.runs_on`` the device, 128-row tiles, plain SwiGLU without biases, bf16 or fp16, ranks in 16-byte
+    rows (``max_rank`` a multiple of 8), contiguous weights, x rows ``gluon_gemm.gathers_rows_of`` (the gates'
+    conditions known before the pipeline's buffers exist; the gates have the last word: where they refuse, the
+    Triton kernels run the loop)."""
     W, x = call.weights, call.hidden_states
     w13, w2 = W.gemm1_weights, W.gemm2_weights
     rows_per_pair = call.topk_ids.numel() / (W.num_local_experts * bank.max_loras)
-    if not (gluon_gemm.GLUON and x.is_cuda and rows_per_pair >= GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR
+    if not (rows_per_pair >= GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR and gluon_gemm.runs_on(x.device)
             and bank.max_rank % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16)
             and not _expert_options(W) and W.gemm1_bias is None and W.gemm2_bias is None
-            and w13.is_contiguous() and w2.is_contiguous() and w13.shape[2] % gluon_gemm.GEMM1_WS_TILE[1] == 0
-            and x.stride(-1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(x.device) == (9, 0)):
+            and w13.is_contiguous() and w2.is_contiguous() and gluon_gemm.gathers_rows_of(x, w13)):
         return False
     T, K = call.topk_ids.shape
     cfg = _layout(T, K, w13.shape[0], w2.shape[2], w13.shape[2], call.num_experts, x.dtype,

@@ -56,8 +56,8 @@ except ImportError:  # an older Triton: the Triton kernels serve every call
     gluon = None
 
 
-__all__ = ["GLUON", "compile_sm90", "gemm1_swiglu_ws", "gemm2_ws", "takes_gluon_gemm1", "takes_gluon_gemm2",
-           "takes_gluon_lora"]
+__all__ = ["GLUON", "compile_sm90", "gathers_rows_of", "gemm1_swiglu_ws", "gemm2_ws", "runs_on", "takes_gluon_gemm1",
+           "takes_gluon_gemm2", "takes_gluon_lora"]
 
 #: The Gluon GEMMs on sm_90 for tiles of 128 rows; ``MOELAB_GLUON=0`` keeps the Triton kernels everywhere.
 GLUON: bool = os.environ.get("MOELAB_GLUON", "1") == "1" and gluon is not None
@@ -658,16 +658,30 @@ def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.T
                                  MAX_RANK=bank.max_rank, R_PAD=r_pad, COLUMNS=columns, LORA_OWN=own)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the Gluon GEMMs run on ``device``: ``GLUON`` on, compiled kernels (not the interpreter), an sm_90
+    GPU (wgmma)."""
+    return (GLUON and not _runtime.INTERPRET and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def gathers_rows_of(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether GEMM1 can gather the rows of ``x`` [T, H] by 16-byte copies against ``w13`` [E_local, 2I, H]: x of
+    their dtype with a unit column stride, a row stride of a multiple of 16 elements and a 16-byte aligned base
+    (what lets Triton prove the copies 16 bytes wide), and H a multiple of GEMM1_WS_TILE's BLOCK_K."""
+    return (w13.shape[-1] % GEMM1_WS_TILE[1] == 0 and x.dtype == w13.dtype and x.stride(-1) == 1
+            and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
 def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: torch.Tensor,
                       out: torch.Tensor) -> bool:
-    """Whether :func:`gemm2_ws` can run this GEMM2: ``GLUON`` on, an sm_90 GPU (wgmma), segments of 128-row tiles
-    with rows (``block_m`` their tile), ``act``, ``w2`` and ``out`` all bf16 or all fp16, contiguous ``w2`` and
-    TMA-able ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
-    if (not GLUON or block_m != 128 or segments.tile != block_m or segments.row_to_slot.numel() == 0
-            or _runtime.INTERPRET or w2.device.type != "cuda"):
+    """Whether :func:`gemm2_ws` can run this GEMM2: :func:`runs_on` its device, segments of 128-row tiles with rows
+    (``block_m`` their tile), ``act``, ``w2`` and ``out`` all bf16 or all fp16, contiguous ``w2`` and TMA-able
+    ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
+    if (block_m != 128 or segments.tile != block_m or segments.row_to_slot.numel() == 0
+            or not runs_on(w2.device)):
         return False
-    if (torch.cuda.get_device_capability(w2.device) != (9, 0) or act.dtype not in (torch.bfloat16, torch.float16)
-            or not act.dtype == w2.dtype == out.dtype):
+    if act.dtype not in (torch.bfloat16, torch.float16) or not act.dtype == w2.dtype == out.dtype:
         return False
     return w2.is_contiguous() and all(map(tma_ok, (act, out, w2)))
 
@@ -698,15 +712,13 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
 def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: torch.Tensor,
                       act: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
     """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out a bias, other
-    activations and weights on the input): as :func:`takes_gluon_gemm2`, ``x`` of their dtype with a row stride of a
-    multiple of 16 elements and a 16-byte aligned base (what lets Triton prove its gathered copies 16 bytes wide),
-    and H a multiple of GEMM1_WS_TILE's BLOCK_K; a ``delta`` contiguous, of their dtype, 16-byte aligned, with I a
-    multiple of 16 (its rows are gathered by 16-byte copies too)."""
+    activations and weights on the input): as :func:`takes_gluon_gemm2`, and :func:`gathers_rows_of` ``x``; a
+    ``delta`` contiguous, of their dtype, 16-byte aligned, with I a multiple of 16 (its rows are gathered by 16-byte
+    copies too)."""
     if delta is not None and not (delta.is_contiguous() and delta.dtype == w13.dtype and delta.data_ptr() % 16 == 0
                                   and w13.shape[1] % 32 == 0):
         return False
-    return (takes_gluon_gemm2(segments, block_m, act, w13, act) and w13.shape[-1] % GEMM1_WS_TILE[1] == 0
-            and x.dtype == w13.dtype and x.stride(-1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
+    return takes_gluon_gemm2(segments, block_m, act, w13, act) and gathers_rows_of(x, w13)
 
 
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
