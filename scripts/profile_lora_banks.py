@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--paths", default="adapter-loop,flow")
     p.add_argument("--calls", type=int, default=20)
     a = p.parse_args()
+    torch.manual_seed(0)  # the same weights, routing and adapter ids for every tree this script profiles
     s, dev = get_shape(a.shape), torch.device("cuda")
     E, K, H, I = s.E, s.K, s.H, s.I
     w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) / H**0.5
