@@ -225,10 +225,9 @@ def test_gluon_takes_only_what_it_handles(monkeypatch):
 #: (T, E, K, H, I, ranks, max_rank, who, fused): a fused bank of adapters of ``ranks`` on 128-row tiles, in the
 #: tile mode ("tiles"), the adapter loop ("adapter-loop": one adapter, rows unsorted; 3 adapters and more, each
 #: expert's rows sorted by adapter; max_rank 128: two K steps an adapter; ranks off 8 and 16; 8 adapters in every
-#: tile) or fused=True (a bank
-#: wider than 64 stacked columns: its one fused path, the adapter loop); who has an adapter: "all" (each token
-#: one of the bank's), "half" (every other token -1), "first" (the first 3 tokens: most tiles hold no adapter and
-#: skip the LoRA steps)
+#: tile) or fused=True (a bank wider than 64 stacked columns: its one fused path, the adapter loop); who has an
+#: adapter: "all" (each token one of the bank's), "half" (every other token -1), "first" (the first 3 tokens: most
+#: tiles hold no adapter and skip the LoRA steps)
 LORA_CASES = [(600, 4, 2, 384, 320, (16,), 16, "all", "tiles"),
               (1000, 4, 2, 256, 192, (16, 8, 16, 8), 16, "half", "tiles"),
               (4096, 8, 2, 512, 256, (64,), 64, "first", "tiles"), (2000, 4, 2, 256, 320, (24, 16), 24, "all", "tiles"),
