@@ -108,6 +108,30 @@ def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device
         assert torch.equal(lora.s2[rank8][:, 8:], torch.zeros_like(lora.s2[rank8][:, 8:]))
 
 
+@pytest.mark.parametrize("mode", ["tiles", "sorted"])
+def test_the_tile_shrink_writes_each_rows_adapter_and_rank(mode, monkeypatch, device):
+    """The W13 tile shrink also writes each row of a live tile its adapter (-1: none or a padding row) and its rank
+    (0 without one), which the Gluon GEMMs read instead of the slots' adapters: checked row by row against the
+    segments, the tokens' adapters and the bank's ranks (the buffers start at a value no row can hold)."""
+    kept = []
+    original = fused_lora.adapter_loop_shrink_w13
+    monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
+                        lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
+    experts, (x, w, ids, lora_ids), _ = _run(mode, monkeypatch, device, dtype=torch.float32)
+    experts(x, w, ids, lora_ids)
+    (lora,) = kept
+    seg = lora.segments
+    live = (seg.block_group >= 0).repeat_interleave(seg.tile)  # rows of live tiles
+    slots = seg.row_to_slot.long()
+    adapter = torch.where(slots >= 0, lora_ids.long()[slots.clamp(min=0) // ids.shape[1]], -1)
+    rank = torch.where(adapter >= 0, experts.lora.rank_table().long()[adapter.clamp(min=0)], 0)
+    assert (adapter[live] >= 0).any() and (adapter[live] == -1).any()
+    assert torch.equal(lora.row_adapters[live].long(), adapter[live])
+    assert torch.equal(lora.row_ranks[live].long(), rank[live])
+
+
 def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch, device):
     """The kernels read each slot's rank from ``LoRABank.rank_table()``: ``set`` and ``reset`` update it in place
     (the same tensor, as a captured CUDA graph reads it), a ``ranks`` list assigned directly is copied at the next

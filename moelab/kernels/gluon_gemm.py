@@ -173,33 +173,30 @@ if gluon is not None:
         return acc_gate, acc_up, it
 
     @gluon.jit
-    def _tile_adapters(slots, top_k, lora_ids_ptr, num_loras):
-        """The adapter loop's view of a tile (``fused_lora.py``, "the adapter loop"), in the layout of ``slots`` (the
-        tile's rows' slots, -1 for padding rows): each row's adapter (-1: none, or an id outside the bank), and the
-        lowest and the highest adapter present (``num_loras`` and -1 when none)."""
-        ok = slots >= 0
-        adapters = gl.load(lora_ids_ptr + gl.where(ok, slots // top_k, 0), mask=ok, other=-1).to(gl.int32)
-        adapters = gl.where((adapters >= 0) & (adapters < num_loras), adapters, -1)
-        lo = gl.min(gl.where(adapters >= 0, adapters, num_loras), axis=0)
-        return adapters, lo, gl.max(adapters, axis=0)
+    def _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, row0, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """The adapter loop's view of the tile's rows row0..row0 + BLOCK_M (``fused_lora.py``, "the adapter loop"), in
+        ``layout`` (a slice of rows): each row's adapter (-1: none, or a padding row) and its rank (0 without one),
+        as the W13 shrink wrote them. Loaded at the tile's start, first used after its K loop: no wait shows."""
+        rows = row0 + gl.arange(0, BLOCK_M, layout=layout)
+        return gl.load(row_adapters_ptr + rows), gl.load(row_ranks_ptr + rows)
 
     @gluon.jit
-    def _rank_steps(adapters, adapter, ranks_ptr, MAX_RANK: gl.constexpr, BLOCK_K: gl.constexpr):
-        """The K steps of ``adapter`` in a tile: its rank (the bank's rank table, at most MAX_RANK) over BLOCK_K,
-        rounded up; 0 when no row has it."""
-        present = gl.max((adapters == adapter).to(gl.int32), axis=0)
-        rank = gl.minimum(gl.load(ranks_ptr + adapter), MAX_RANK)
-        return gl.where(present != 0, gl.cdiv(rank, BLOCK_K), 0)
+    def _adapter_range(adapters, num_loras):
+        """The lowest and the highest adapter among a tile's rows (``num_loras`` and -1 when none)."""
+        return gl.min(gl.where(adapters >= 0, adapters, num_loras), axis=0), gl.max(adapters, axis=0)
 
     @gluon.jit
-    def _lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK: gl.constexpr, BLOCK_K: gl.constexpr):
-        """All the adapter-loop K steps of a tile (:func:`_rank_steps` summed over its adapters): one gather of the
-        rows' ranks, then a reduction an adapter, no load in the loop (the MMA partition's count)."""
-        row_ranks = gl.load(ranks_ptr + gl.where(adapters >= 0, adapters, 0), mask=adapters >= 0, other=0)
-        row_steps = gl.cdiv(gl.minimum(row_ranks, MAX_RANK), BLOCK_K)
+    def _rank_steps(adapters, row_ranks, adapter, BLOCK_K: gl.constexpr):
+        """The K steps of ``adapter`` in a tile: its rank over BLOCK_K, rounded up; 0 when no row has it."""
+        return gl.cdiv(gl.max(gl.where(adapters == adapter, row_ranks, 0), axis=0), BLOCK_K)
+
+    @gluon.jit
+    def _lora_steps(adapters, row_ranks, lo, hi, BLOCK_K: gl.constexpr):
+        """All the adapter-loop K steps of a tile (:func:`_rank_steps` summed over its adapters; the MMA partition's
+        count)."""
         steps = 0
         for adapter in range(lo, hi + 1):
-            steps += gl.max(gl.where(adapters == adapter, row_steps, 0), axis=0)
+            steps += _rank_steps(adapters, row_ranks, adapter, BLOCK_K)
         return steps
 
     @gluon.jit
@@ -281,7 +278,7 @@ if gluon is not None:
     @gluon.jit
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
                               num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts,
-                              num_loras, row_to_slot_ptr, top_k, lora_ids_ptr, ranks_ptr, GROUP_M: gl.constexpr,
+                              num_loras, row_adapters_ptr, row_ranks_ptr, GROUP_M: gl.constexpr,
                               LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
                               COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -292,6 +289,9 @@ if gluon is not None:
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
+                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
+                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
+                                                          gl.SliceLayout(1, _gather_layout(BLOCK_K)))
                 w_row = expert * H + pid_n * BLOCK_N
                 for k in range(k_steps):
                     slot = it % STAGES
@@ -304,12 +304,10 @@ if gluon is not None:
                     it += 1
                 if LORA_OWN:  # the adapter loop: a K step a BLOCK_K ranks of each adapter in the tile, its rows'
                     # weighted W2 rank vectors and its B_down
-                    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _gather_layout(BLOCK_K)))
-                    adapters, lo, hi = _tile_adapters(gl.load(row_to_slot_ptr + pid_m * BLOCK_M + rows), top_k,
-                                                      lora_ids_ptr, num_loras)
+                    lo, hi = _adapter_range(adapters, num_loras)
                     first = it
                     for adapter in range(lo, hi + 1):
-                        for c in range(_rank_steps(adapters, adapter, ranks_ptr, MAX_RANK, BLOCK_K)):
+                        for c in range(_rank_steps(adapters, row_ranks, adapter, BLOCK_K)):
                             slot = it % STAGES
                             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
                             _copy_own_operands(a_bufs, w_bufs, slot, s2_ptr + c * BLOCK_K, pid_m * BLOCK_M,
@@ -332,23 +330,22 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
-                             num_m, num_n, k_steps, tile_flags_ptr, row_to_slot_ptr, top_k, lora_ids_ptr, ranks_ptr,
-                             num_loras, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                             num_m, num_n, k_steps, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras,
+                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
                              MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
-        tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         it = 0
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             acc = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
-                if LORA_OWN:  # the tile's adapters, read before the K loop hides the loads
-                    adapters, lo, hi = _tile_adapters(gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows), top_k,
-                                                      lora_ids_ptr, num_loras)
+                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
+                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
+                                                          gl.SliceLayout(1, acc_layout))
                 for k in range(k_steps):
                     slot = it % STAGES
                     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -362,7 +359,8 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _free_previous_slot(empty, it)
                 if LORA_OWN:  # W2 LoRA: acc += s_down @ B_down, adapter by adapter, BLOCK_K ranks a K step
-                    for _ in range(_lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK, BLOCK_K)):
+                    lo, hi = _adapter_range(adapters, num_loras)
+                    for _ in range(_lora_steps(adapters, row_ranks, lo, hi, BLOCK_K)):
                         acc, it = _lora_mma_step(a_bufs, w_bufs, ready, empty, it, acc)
                 elif LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
                     if gl.load(tile_flags_ptr + pid_m) != 0:
@@ -372,8 +370,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
-                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_to_slot_ptr, top_k,
-                         lora_ids_ptr, ranks_ptr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_adapters_ptr,
+                         row_ranks_ptr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                          DEAD_FILL: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
                          COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -394,19 +392,19 @@ if gluon is not None:
         k_steps = gl.cdiv(I, BLOCK_K)
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
-                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, row_to_slot_ptr, top_k,
-                                    lora_ids_ptr, ranks_ptr, num_loras, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN,
+                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, row_adapters_ptr,
+                                    row_ranks_ptr, num_loras, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN,
                                     num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
                                      num_live_blocks, num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr,
-                                     num_local_experts, num_loras, row_to_slot_ptr, top_k, lora_ids_ptr, ranks_ptr,
+                                     num_local_experts, num_loras, row_adapters_ptr, row_ranks_ptr,
                                      GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
     @gluon.jit
     def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
                               block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, s13_ptr, tile_flags_ptr,
-                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, lora_ids_ptr, ranks_ptr,
+                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_adapters_ptr, row_ranks_ptr,
                               GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
                               R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
@@ -421,6 +419,9 @@ if gluon is not None:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
+                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
+                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
+                                                          gl.SliceLayout(1, gather))
                 row_ok = slots >= 0
                 x_rows = x_ptr + gl.where(row_ok, slots // top_k, 0).to(gl.int64)[:, None] * stride_x
                 gate_row = expert * (2 * I) + pid_n * BLOCK_N
@@ -439,9 +440,9 @@ if gluon is not None:
                     it += 1
                 if LORA_OWN:  # the adapter loop: two K steps a BLOCK_K ranks of each adapter in the tile, the gate's
                     # own rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
-                    adapters, lo, hi = _tile_adapters(slots, top_k, lora_ids_ptr, num_loras)
+                    lo, hi = _adapter_range(adapters, num_loras)
                     for adapter in range(lo, hi + 1):
-                        for c in range(_rank_steps(adapters, adapter, ranks_ptr, MAX_RANK, BLOCK_K)):
+                        for c in range(_rank_steps(adapters, row_ranks, adapter, BLOCK_K)):
                             for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
                                 slot = it % STAGES
                                 mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -501,7 +502,7 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
-                             tile_flags_ptr, top_k, lora_ids_ptr, ranks_ptr, num_loras, HAS_DELTA: gl.constexpr,
+                             tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, HAS_DELTA: gl.constexpr,
                              GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
                              MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
@@ -517,8 +518,9 @@ if gluon is not None:
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
                 row_ok = slots >= 0
-                if LORA_OWN:  # the tile's adapters, read before the K loop hides the loads
-                    adapters, lo, hi = _tile_adapters(slots, top_k, lora_ids_ptr, num_loras)
+                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
+                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
+                                                          gl.SliceLayout(1, acc_layout))
                 acc_gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 for k in range(k_steps):
@@ -536,7 +538,8 @@ if gluon is not None:
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                 _free_previous_slot(empty, it)
                 if LORA_OWN:  # W13 LoRA before the activation, adapter by adapter: two K steps a BLOCK_K ranks
-                    for _ in range(_lora_steps(adapters, lo, hi, ranks_ptr, MAX_RANK, BLOCK_K)):
+                    lo, hi = _adapter_range(adapters, num_loras)
+                    for _ in range(_lora_steps(adapters, row_ranks, lo, hi, BLOCK_K)):
                         acc_gate, acc_up, it = _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it,
                                                                  acc_gate, acc_up)
                 elif LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
@@ -559,8 +562,8 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
                                 num_live_blocks, num_rows, H, I, delta_ptr, stride_d, s13_ptr, tile_flags_ptr,
-                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, lora_ids_ptr, ranks_ptr,
-                                HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_adapters_ptr,
+                                row_ranks_ptr, HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                                 GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
                                 MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
                                 LORA_OWN: gl.constexpr, num_warps: gl.constexpr):
@@ -582,12 +585,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                                     block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
-                                    stride_d, tile_flags_ptr, top_k, lora_ids_ptr, ranks_ptr, num_loras, HAS_DELTA,
+                                    stride_d, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, HAS_DELTA,
                                     GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
                                      s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
-                                     lora_ids_ptr, ranks_ptr, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
+                                     row_adapters_ptr, row_ranks_ptr, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS,
+                                     LORA_OWN)),
         ], [4], [120 if LORA_OWN else 88])  # the adapter loop's copies spill at 88 registers
 
 
@@ -619,8 +623,8 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
         operands = (lora.s13_by_row, lora.s2_by_row)
         if l_pad * r_pad > GEMM1_WS_TILE[1]:
             return False
-    elif isinstance(lora, AdapterLoopLoRA) and not lora.decode:
-        operands = (lora.s13, lora.s2, lora.ranks, lora.lora_ids)
+    elif isinstance(lora, AdapterLoopLoRA) and lora.row_adapters is not None:  # tiles: rows' adapters and ranks
+        operands = (lora.s13, lora.s2, lora.row_adapters, lora.row_ranks)
     else:
         return False
     bank = lora.bank
@@ -630,10 +634,9 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
 
 def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor, block_k: int) -> dict:
     """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or the
-    adapter loop's own rank vectors by row, adapter ids, rank table and B banks (LORA_OWN; a K step of the call's
-    ``block_k`` ranks), or ``like`` in their place (never read: LORA False). GEMM2's ``row_to_slot_ptr`` and
-    ``top_k`` come from the caller."""
-    unused = dict.fromkeys(("tile_flags_ptr", "lora_ids_ptr", "ranks_ptr"), like)
+    adapter loop's own rank vectors, adapters and ranks by row and B banks (LORA_OWN; a K step of the call's
+    ``block_k`` ranks), or ``like`` in their place (never read: LORA False)."""
+    unused = dict.fromkeys(("tile_flags_ptr", "row_adapters_ptr", "row_ranks_ptr"), like)
     if lora is None:
         banks = ("s13_ptr", "up_b_ptr", "gate_b_ptr") if gemm == 1 else ("s2_ptr", "down_b_ptr")
         return unused | dict.fromkeys(banks, like) | dict(
@@ -644,7 +647,7 @@ def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.T
         r_pad = own_rank_pad(bank)
         columns = min(r_pad, block_k)
         s13, s2 = lora.s13, lora.s2
-        unused |= dict(lora_ids_ptr=lora.lora_ids, ranks_ptr=lora.ranks)
+        unused |= dict(row_adapters_ptr=lora.row_adapters, row_ranks_ptr=lora.row_ranks)
     else:
         l_pad, r_pad = bank.stacked_pads
         columns = l_pad * r_pad
@@ -703,8 +706,7 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
-                           I, row_to_slot_ptr=segments.row_to_slot, top_k=lora.top_k if lora is not None else 1,
-                           **_lora_args(lora, 2, act, block_k), STAGES=stages, GROUP_M=group_m,
+                           I, **_lora_args(lora, 2, act, block_k), STAGES=stages, GROUP_M=group_m,
                            DEAD_FILL=dead_fill, num_warps=8)
     return out
 
@@ -769,11 +771,13 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     l_pad, r_pad, max_rank = lora or (1, 8, 8)
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
     bank = dict(s13_ptr="*bf16", s2_ptr="*bf16", tile_flags_ptr="*i32", up_b_ptr="*bf16", gate_b_ptr="*bf16",
-                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", lora_ids_ptr="*i32", ranks_ptr="*i32")
+                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", row_adapters_ptr="*i32",
+                row_ranks_ptr="*i32")
     constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
                       COLUMNS=min(r_pad, block_k) if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
                       num_warps=8)
-    hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr")
+    hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr",
+              "row_adapters_ptr", "row_ranks_ptr")
     if gemm == "gemm1":
         kernel = _gemm1_swiglu_ws_kernel
         hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d", "I")
@@ -784,7 +788,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     else:
         kernel = _gemm2_ws_kernel
         args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),
-                    row_to_slot_ptr="*i32", top_k="i32", **tiles, **bank)
+                    **tiles, **bank)
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted if name in kernel.arg_names}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
