@@ -186,42 +186,66 @@ if gluon is not None:
         return gl.min(gl.where(adapters >= 0, adapters, num_loras), axis=0), gl.max(adapters, axis=0)
 
     @gluon.jit
-    def _rank_steps(adapters, row_ranks, adapter, BLOCK_K: gl.constexpr):
-        """The K steps of ``adapter`` in a tile: its rank over BLOCK_K, rounded up; 0 when no row has it."""
-        return gl.cdiv(gl.max(gl.where(adapters == adapter, row_ranks, 0), axis=0), BLOCK_K)
+    def _packed_units(adapters, row_ranks, lo, hi):
+        """A tile's adapters packed side by side in its LoRA K steps, in adapter order, each ceil(rank / 8) units of 8
+        rank columns (16 bytes): each row's adapter's first unit (0 without one) and the units in all."""
+        first_unit = gl.zeros_like(adapters)
+        units = 0
+        for adapter in range(lo, hi + 1):
+            mine = adapters == adapter
+            first_unit = gl.where(mine, units, first_unit)
+            units += gl.cdiv(gl.max(gl.where(mine, row_ranks, 0), axis=0), 8)
+        return first_unit, units
 
     @gluon.jit
     def _lora_steps(adapters, row_ranks, lo, hi, BLOCK_K: gl.constexpr):
-        """All the adapter-loop K steps of a tile (:func:`_rank_steps` summed over its adapters; the MMA partition's
-        count)."""
-        steps = 0
-        for adapter in range(lo, hi + 1):
-            steps += _rank_steps(adapters, row_ranks, adapter, BLOCK_K)
-        return steps
+        """The adapter-loop K steps of a tile: its packed ranks (:func:`_packed_units`) over BLOCK_K, rounded up."""
+        _, units = _packed_units(adapters, row_ranks, lo, hi)
+        return gl.cdiv(units * 8, BLOCK_K)
 
     @gluon.jit
-    def _copy_own_operands(a_bufs, b_bufs, slot, s_ptr, row0, mine, ROW_WIDTH: gl.constexpr, COLUMNS: gl.constexpr,
-                           b_ptr, adapter, rank0, expert, n0, D_out, num_local_experts, MAX_RANK: gl.constexpr):
-        """One adapter-loop K step's operands into ring slot ``slot``, as one ``cp.async`` group: ``a_bufs`` gets the
-        own rank vectors of the rows ``mine`` (bool [BLOCK_M] in :func:`_gather_layout`'s row slice), ranks rank0..
-        (``s_ptr`` points at rank0 of row 0; rows ROW_WIDTH elements apart, COLUMNS of them; zeros for the other rows
-        and past them), ``b_bufs`` the adapter's B tile [BLOCK_N, BLOCK_K] (K-major) at output columns n0.. and ranks
-        rank0.. of the bank ``B [L, E_local, D_out, MAX_RANK]`` (zeros past D_out and MAX_RANK). The shrinks write
-        zeros past each adapter's rank, so the product stops at its own rank whatever B holds there."""
+    def _packed_columns(adapters, row_ranks, lo, hi, step, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+        """Whose ranks the columns of packed K step ``step`` hold (:func:`_packed_units`), int32 [BLOCK_K] in
+        ``layout`` (a slice of columns): each column's 8-column unit, the adapter (-1 past the packed ranks) and
+        that adapter's first unit."""
+        unit = step * (BLOCK_K // 8) + gl.arange(0, BLOCK_K, layout=layout) // 8
+        col_adapter = gl.full([BLOCK_K], -1, gl.int32, layout)
+        col_first = gl.zeros([BLOCK_K], gl.int32, layout)
+        first = 0
+        for adapter in range(lo, hi + 1):
+            units = gl.cdiv(gl.max(gl.where(adapters == adapter, row_ranks, 0), axis=0), 8)
+            inside = (unit >= first) & (unit < first + units)
+            col_adapter = gl.where(inside, adapter, col_adapter)
+            col_first = gl.where(inside, first, col_first)
+            first += units
+        return unit, col_adapter, col_first
+
+    @gluon.jit
+    def _copy_packed_operands(a_bufs, b_bufs, slot, s_ptr, row0, ROW_WIDTH: gl.constexpr, row_ranks, first_unit,
+                              unit, col_adapter, col_first, b_ptr, expert, n0, D_out, num_local_experts,
+                              MAX_RANK: gl.constexpr):
+        """One packed adapter-loop K step's operands into ring slot ``slot``, as one ``cp.async`` group (16-byte
+        copies): ``a_bufs`` gets each row's own rank vector where its adapter's units fall in this step (row p's
+        ranks (unit - first_unit[p]) * 8.., ``s_ptr`` at rank 0 of row 0, rows ROW_WIDTH elements apart; zeros
+        elsewhere and for rows without an adapter), ``b_bufs`` [BLOCK_N, BLOCK_K] (K-major) the matching ranks of
+        each column's adapter's B at output columns n0.. of the bank ``B [L, E_local, D_out, MAX_RANK]`` (zeros past
+        D_out and the packed ranks). Units past a rank hold the shrinks' zeros, so each product stops at its own
+        rank whatever B holds there."""
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         layout: gl.constexpr = _gather_layout(BLOCK_K)
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # 32-bit offsets: fewer registers
-        j = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        within = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout)) % 8
+        own_unit = unit[None, :] - first_unit[:, None]  # the unit of the row's own ranks each column would hold
         s_rows = s_ptr + row0.to(gl.int64) * ROW_WIDTH
-        _cp_async(a_bufs.index(slot), s_rows + (rows * ROW_WIDTH)[:, None] + j[None, :],
-                  mask=mine[:, None] & (j < COLUMNS)[None, :])
+        _cp_async(a_bufs.index(slot), s_rows + (rows * ROW_WIDTH)[:, None] + own_unit * 8 + within[None, :],
+                  mask=(own_unit >= 0) & (own_unit * 8 < row_ranks[:, None]))
         n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        ranks = rank0 + j
-        b_rows = b_ptr + ((adapter * num_local_experts + expert).to(gl.int64) * D_out + n0) * MAX_RANK
-        _cp_async(b_bufs.index(slot), b_rows + (n * MAX_RANK)[:, None] + ranks[None, :],
-                  mask=(n < D_out - n0)[:, None] & (ranks < MAX_RANK)[None, :])
+        b_cols = ((col_adapter * num_local_experts + expert).to(gl.int64) * D_out + n0) * MAX_RANK \
+            + (unit - col_first) * 8 + within
+        _cp_async(b_bufs.index(slot), b_ptr + b_cols[None, :] + (n * MAX_RANK)[:, None],
+                  mask=(n < D_out - n0)[:, None] & (col_adapter >= 0)[None, :])
         async_copy.commit_group()
 
     @gluon.jit
@@ -305,17 +329,19 @@ if gluon is not None:
                 if LORA_OWN:  # the adapter loop: a K step a BLOCK_K ranks of each adapter in the tile, its rows'
                     # weighted W2 rank vectors and its B_down
                     lo, hi = _adapter_range(adapters, num_loras)
+                    first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
                     first = it
-                    for adapter in range(lo, hi + 1):
-                        for c in range(_rank_steps(adapters, row_ranks, adapter, BLOCK_K)):
-                            slot = it % STAGES
-                            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                            _copy_own_operands(a_bufs, w_bufs, slot, s2_ptr + c * BLOCK_K, pid_m * BLOCK_M,
-                                               adapters == adapter, R_PAD, COLUMNS, down_b_ptr, adapter, c * BLOCK_K,
-                                               expert, pid_n * BLOCK_N, H, num_local_experts, MAX_RANK)
-                            if it > first:  # the previous step's copies have landed: its slot's one arrival
-                                _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
-                            it += 1
+                    for c in range(gl.cdiv(units * 8, BLOCK_K)):
+                        unit, col_adapter, col_first = _packed_columns(adapters, row_ranks, lo, hi, c, BLOCK_K,
+                                                                       gl.SliceLayout(0, _gather_layout(BLOCK_K)))
+                        slot = it % STAGES
+                        mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                        _copy_packed_operands(a_bufs, w_bufs, slot, s2_ptr, pid_m * BLOCK_M, R_PAD, row_ranks,
+                                              first_unit, unit, col_adapter, col_first, down_b_ptr, expert,
+                                              pid_n * BLOCK_N, H, num_local_experts, MAX_RANK)
+                        if it > first:  # the previous step's copies have landed: its slot's one arrival
+                            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                        it += 1
                     if it > first:
                         _rows_landed(ready.index((it + STAGES - 1) % STAGES), 0)
                 elif LORA:  # one more K step: the tile's weighted W2 rank vectors and the stacked B_down
@@ -441,19 +467,21 @@ if gluon is not None:
                 if LORA_OWN:  # the adapter loop: two K steps a BLOCK_K ranks of each adapter in the tile, the gate's
                     # own rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
                     lo, hi = _adapter_range(adapters, num_loras)
-                    for adapter in range(lo, hi + 1):
-                        for c in range(_rank_steps(adapters, row_ranks, adapter, BLOCK_K)):
-                            for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
-                                slot = it % STAGES
-                                mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                                mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
-                                _copy_own_operands(a_bufs, g_bufs if half == 0 else u_bufs, slot,
-                                                   s13_ptr + (1 - half) * R_PAD + c * BLOCK_K, pid_m * BLOCK_M,
-                                                   adapters == adapter, 2 * R_PAD, COLUMNS,
-                                                   gate_b_ptr if half == 0 else up_b_ptr, adapter, c * BLOCK_K,
-                                                   expert, pid_n * BLOCK_N, I, num_local_experts, MAX_RANK)
-                                _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
-                                it += 1
+                    first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
+                    for c in range(gl.cdiv(units * 8, BLOCK_K)):
+                        unit, col_adapter, col_first = _packed_columns(adapters, row_ranks, lo, hi, c, BLOCK_K,
+                                                                       gl.SliceLayout(0, gather))
+                        for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
+                            slot = it % STAGES
+                            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                            mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
+                            _copy_packed_operands(a_bufs, g_bufs if half == 0 else u_bufs, slot,
+                                                  s13_ptr + (1 - half) * R_PAD, pid_m * BLOCK_M, 2 * R_PAD, row_ranks,
+                                                  first_unit, unit, col_adapter, col_first,
+                                                  gate_b_ptr if half == 0 else up_b_ptr, expert, pid_n * BLOCK_N, I,
+                                                  num_local_experts, MAX_RANK)
+                            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                            it += 1
                 elif LORA:  # two more K steps: the gate's stacked rank vectors and B, then the up's ([R, 2, COLUMNS]
                     if gl.load(tile_flags_ptr + pid_m) != 0:  # rows of s13, [up | gate])
                         for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
