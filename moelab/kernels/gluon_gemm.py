@@ -326,8 +326,8 @@ if gluon is not None:
                     _tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
                     _tma_load(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
                     it += 1
-                if LORA_OWN:  # the adapter loop: a K step a BLOCK_K ranks of each adapter in the tile, its rows'
-                    # weighted W2 rank vectors and its B_down
+                if LORA_OWN:  # the adapter loop: the tile's adapters packed side by side, BLOCK_K ranks a K step,
+                    # each row's weighted W2 rank vector and each column's B_down
                     lo, hi = _adapter_range(adapters, num_loras)
                     first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
                     first = it
@@ -464,8 +464,8 @@ if gluon is not None:
                     if it > 0:  # the previous step's rows have landed: hand them to the MMAs (its 2nd arrival)
                         _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
                     it += 1
-                if LORA_OWN:  # the adapter loop: two K steps a BLOCK_K ranks of each adapter in the tile, the gate's
-                    # own rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
+                if LORA_OWN:  # the adapter loop: the tile's adapters packed side by side, two K steps a BLOCK_K
+                    # ranks, the gate's rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
                     lo, hi = _adapter_range(adapters, num_loras)
                     first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
                     for c in range(gl.cdiv(units * 8, BLOCK_K)):
@@ -565,7 +565,7 @@ if gluon is not None:
                     it += 1
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                 _free_previous_slot(empty, it)
-                if LORA_OWN:  # W13 LoRA before the activation, adapter by adapter: two K steps a BLOCK_K ranks
+                if LORA_OWN:  # W13 LoRA before the activation, the tile's packed ranks: two K steps a BLOCK_K
                     lo, hi = _adapter_range(adapters, num_loras)
                     for _ in range(_lora_steps(adapters, row_ranks, lo, hi, BLOCK_K)):
                         acc_gate, acc_up, it = _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it,
@@ -645,7 +645,7 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
     """Whether the Gluon GEMMs can fold this fused LoRA bank in, with a bank whose max_rank is a multiple of 8
     (16-byte copies of B's rows): the tile mode's operands (prefill) of at most one K step (64) of stacked columns,
-    or the adapter loop's tile operands (prefill, any width: each adapter of a tile its own K steps)."""
+    or the adapter loop's tile operands (prefill, any width: a tile's adapters packed side by side in K steps)."""
     if isinstance(lora, TileLoRA):
         l_pad, r_pad = lora.bank.stacked_pads
         operands = (lora.s13_by_row, lora.s2_by_row)
