@@ -228,9 +228,9 @@ def test_gluon_takes_only_what_it_handles(monkeypatch):
 #: (T, E, K, H, I, ranks, max_rank, who, fused): a fused bank of adapters of ``ranks`` on 128-row tiles, in the
 #: tile mode ("tiles"), the adapter loop ("adapter-loop": one adapter, rows unsorted; 3 adapters and more, each
 #: expert's rows sorted by adapter; max_rank 128: two K steps an adapter; ranks off 8 and 16; 8 adapters in every
-#: tile) or fused=True (a bank wider than 64 stacked columns: its one fused path, the adapter loop); who has an
-#: adapter: "all" (each token one of the bank's), "half" (every other token -1), "first" (the first 3 tokens: most
-#: tiles hold no adapter and skip the LoRA steps)
+#: tile, their ranks packed into 2 K steps) or fused=True (a bank wider than 64 stacked columns: its one fused path,
+#: the adapter loop); who has an adapter: "all" (each token one of the bank's), "half" (every other token -1),
+#: "first" (the first 3 tokens: most tiles hold no adapter and skip the LoRA steps)
 LORA_CASES = [(600, 4, 2, 384, 320, (16,), 16, "all", "tiles"),
               (1000, 4, 2, 256, 192, (16, 8, 16, 8), 16, "half", "tiles"),
               (4096, 8, 2, 512, 256, (64,), 64, "first", "tiles"), (2000, 4, 2, 256, 320, (24, 16), 24, "all", "tiles"),
@@ -301,9 +301,9 @@ def test_a_wide_bank_takes_the_gluon_adapter_loop_from_its_rows_per_pair(min_row
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
 def test_the_gluon_adapter_loop_skips_empty_slots_and_steps_past_64_ranks(monkeypatch):
-    """A bank with slots never set (rank 0) between its adapters (tiles span them: no K step of their own), ranks of
-    96 and 72 (two K steps, the second partly past the rank) and H, I off the Gluon tiles: the adapter loop inside
-    the Gluon GEMMs matches the reference, and tokens without an adapter get the base call's rows bit for bit."""
+    """A bank with slots never set (rank 0) between its adapters (tiles span them: no units of their own), ranks of
+    96 and 72 (past one K step, packed beside rank 40) and H, I off the Gluon tiles: the adapter loop inside the
+    Gluon GEMMs matches the reference, and tokens without an adapter get the base call's rows bit for bit."""
     from test_experts import random_adapters
 
     T, E, K, H, I = 4096, 8, 2, 384, 320
