@@ -384,7 +384,7 @@ if gluon is not None:
                     it += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _free_previous_slot(empty, it)
-                if LORA_OWN:  # W2 LoRA: acc += s_down @ B_down, adapter by adapter, BLOCK_K ranks a K step
+                if LORA_OWN:  # W2 LoRA: acc += s_down @ B_down, the tile's packed ranks, BLOCK_K a K step
                     lo, hi = _adapter_range(adapters, num_loras)
                     for _ in range(_lora_steps(adapters, row_ranks, lo, hi, BLOCK_K)):
                         acc, it = _lora_mma_step(a_bufs, w_bufs, ready, empty, it, acc)
