@@ -310,6 +310,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.shape[0]
         it = 0  # K steps issued so far: slot it % STAGES, its (it // STAGES)-th use
+        pending = -1  # the adapter loop: the slot of the last LoRA step, its copies in flight, its arrival owed
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
@@ -325,12 +326,15 @@ if gluon is not None:
                     mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
                     _tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
                     _tma_load(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
+                    if LORA_OWN:
+                        if pending >= 0:  # the previous tile's last LoRA copies, handed over once this tile's
+                            _rows_landed(ready.index(pending), 0)  # first loads are on their way
+                            pending = -1
                     it += 1
                 if LORA_OWN:  # the adapter loop: the tile's adapters packed side by side, BLOCK_K ranks a K step,
                     # each row's weighted W2 rank vector and each column's B_down
                     lo, hi = _adapter_range(adapters, num_loras)
                     first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
-                    first = it
                     for c in range(gl.cdiv(units * 8, BLOCK_K)):
                         unit, col_adapter, col_first = _packed_columns(adapters, row_ranks, lo, hi, c, BLOCK_K,
                                                                        gl.SliceLayout(0, _gather_layout(BLOCK_K)))
@@ -339,11 +343,10 @@ if gluon is not None:
                         _copy_packed_operands(a_bufs, w_bufs, slot, s2_ptr, pid_m * BLOCK_M, R_PAD, row_ranks,
                                               first_unit, unit, col_adapter, col_first, down_b_ptr, expert,
                                               pid_n * BLOCK_N, H, num_local_experts, MAX_RANK)
-                        if it > first:  # the previous step's copies have landed: its slot's one arrival
-                            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                        if pending >= 0:  # the previous step's copies have landed: its slot's one arrival
+                            _rows_landed(ready.index(pending), 1)
+                        pending = slot
                         it += 1
-                    if it > first:
-                        _rows_landed(ready.index((it + STAGES - 1) % STAGES), 0)
                 elif LORA:  # one more K step: the tile's weighted W2 rank vectors and the stacked B_down
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         slot = it % STAGES
@@ -353,6 +356,9 @@ if gluon is not None:
                                             MAX_RANK, R_PAD, COLUMNS)
                         _rows_landed(ready.index(slot), 0)  # the slot's one arrival, no TMA bytes
                         it += 1
+        if LORA_OWN:
+            if pending >= 0:  # the last tile's last LoRA copies
+                _rows_landed(ready.index(pending), 0)
 
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
