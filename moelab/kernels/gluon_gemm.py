@@ -666,10 +666,10 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
     return bank.max_rank % 8 == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in operands)
 
 
-def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor, block_k: int) -> dict:
+def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor) -> dict:
     """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or the
-    adapter loop's own rank vectors, adapters and ranks by row and B banks (LORA_OWN; a K step of the call's
-    ``block_k`` ranks), or ``like`` in their place (never read: LORA False)."""
+    adapter loop's own rank vectors, adapters and ranks by row and B banks (LORA_OWN), or ``like`` in their place
+    (never read: LORA False)."""
     unused = dict.fromkeys(("tile_flags_ptr", "row_adapters_ptr", "row_ranks_ptr"), like)
     if lora is None:
         banks = ("s13_ptr", "up_b_ptr", "gate_b_ptr") if gemm == 1 else ("s2_ptr", "down_b_ptr")
@@ -677,9 +677,9 @@ def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.T
             num_local_experts=0, num_loras=0, LORA=False, MAX_RANK=8, R_PAD=8, COLUMNS=8, LORA_OWN=False)
     bank = lora.bank
     own = isinstance(lora, AdapterLoopLoRA)
-    if own:  # rows of s13 [up | gate] and of s2 are R_PAD wide; a K step copies BLOCK_K ranks of them at most
+    if own:  # rows of s13 [up | gate] and of s2 are R_PAD wide, copied by 8-rank units (COLUMNS: not read)
         r_pad = own_rank_pad(bank)
-        columns = min(r_pad, block_k)
+        columns = 8
         s13, s2 = lora.s13, lora.s2
         unused |= dict(row_adapters_ptr=lora.row_adapters, row_ranks_ptr=lora.row_ranks)
     else:
@@ -740,7 +740,7 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
-                           I, **_lora_args(lora, 2, act, block_k), STAGES=stages, GROUP_M=group_m,
+                           I, **_lora_args(lora, 2, act), STAGES=stages, GROUP_M=group_m,
                            DEAD_FILL=dead_fill, num_warps=8)
     return out
 
@@ -781,7 +781,7 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
                                   delta if delta is not None else x, two_i,
-                                  **_lora_args(lora, 1, x, block_k),
+                                  **_lora_args(lora, 1, x),
                                   HAS_DELTA=delta is not None,
                                   BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
@@ -808,7 +808,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
                 down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", row_adapters_ptr="*i32",
                 row_ranks_ptr="*i32")
     constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
-                      COLUMNS=min(r_pad, block_k) if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
+                      COLUMNS=8 if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
                       num_warps=8)
     hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr",
               "row_adapters_ptr", "row_ranks_ptr")
