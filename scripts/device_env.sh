@@ -7,10 +7,12 @@ T0=$(date +%s); el() { echo "--- $1 at $(( $(date +%s) - T0 )) s"; }
   echo "commit ${MOELAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; nproc; } 2>&1 | tee "$OUT/env.txt"
 # `gpu_tests SECONDS FILE...`: pytest on the GPU ($WORKERS workers, 8 unless set) into $OUT/$TESTS_LOG.log (tests.log
 # unless set), stopped after SECONDS; prints the exit status and the summary lines. -rA: the log names every test
-# that ran, so a run cut short still says which passed.
+# that ran, so a run cut short still says which passed. One CPU thread a worker: with torch's 16 threads in each of
+# 10-15 workers, the float64 references' small matrix products kept the LoRA tests from finishing in 8 minutes (82 s
+# on one thread a worker, H100 box, 2026-12-06).
 gpu_tests() {
   local limit=$1; shift
-  COLUMNS=400 timeout -s INT -k 10 "$limit" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" --tb=short "$@" \
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} COLUMNS=400 timeout -s INT -k 10 "$limit" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" --tb=short "$@" \
     > "$OUT/${TESTS_LOG:-tests}.log" 2>&1
   echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)" "$OUT/${TESTS_LOG:-tests}.log" | tail -12
 }
