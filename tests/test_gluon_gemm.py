@@ -274,7 +274,7 @@ def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks,
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
-@pytest.mark.parametrize("min_rows", [48, 10**6])
+@pytest.mark.parametrize("min_rows", [32, 10**6])
 def test_a_wide_bank_takes_the_gluon_adapter_loop_from_its_rows_per_pair(min_rows, monkeypatch):
     """Left to the module, a bank wider than the tile mode's 64 stacked columns runs the adapter loop inside the Gluon
     GEMMs from ``GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows per (local expert, slot) on (here 128), and vLLM's flow
@@ -294,7 +294,7 @@ def test_a_wide_bank_takes_the_gluon_adapter_loop_from_its_rows_per_pair(min_row
                         real(*a, **k))
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
     out, _ = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
-    assert ("AdapterLoopLoRA" in modes) == (min_rows == 48), modes
+    assert ("AdapterLoopLoRA" in modes) == (min_rows == 32), modes
     ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
     assert_close_to_reference(out, ref["output"], torch.bfloat16, "output")
 

@@ -122,16 +122,17 @@ FUSED_DECODE_MAX_SLOTS = MAX_CHUNK
 ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 
 #: Where the GEMMs run the Gluon kernels (``_gluon_adapter_loop``: sm_90, 128-row tiles), the adapter loop runs inside
-#: them (each adapter of a tile one more K step a 64 ranks of their rings) and takes a wide bank from this many
-#: routed rows per (local expert, bank slot) on: T*K / (E_local * max_loras). Its K steps compute all 128 rows of a
-#: tile for each adapter in it, so they pay where each adapter fills a good part of a tile. H100, 2026-12-06,
-#: ``scripts/profile_lora_banks.py`` (GPU µs of the call's kernels, adapter loop / vLLM's flow), banks of ranks
-#: 64/32/16/8: 8 rows a pair 1.29 (Qwen3-30B-A3B T = 4096, 32 adapters), 16 rows 1.20 (OLMoE T = 4096, 32), 32 rows
-#: 0.99 and 1.01 (Qwen3 T = 4096 with 8, T = 16384 with 32), 64 rows 0.91 (OLMoE T = 4096 with 8, T = 16384 with 32),
-#: 128 rows 0.85 (Qwen3 T = 16384, 8), 256 rows 0.84 (OLMoE T = 16384, 8). 48 sits between the tie and the win.
+#: them (a tile's adapters packed side by side in a few more K steps of their rings, 8 ranks a unit) and takes a wide
+#: bank from this many routed rows per (local expert, bank slot) on: T*K / (E_local * max_loras). Its K steps compute
+#: all 128 rows of a tile for the tile's adapters, so they pay where each adapter fills a good part of a tile. H100,
+#: 2026-12-06, ``scripts/profile_lora_banks.py`` (GPU µs of the call's kernels, adapter loop / vLLM's flow in one
+#: run), banks of ranks 64/32/16/8, the packed steps of 0aa01c8: 8 rows a pair 1.39 (Qwen3-30B-A3B T = 4096, 32
+#: adapters), 32 rows 0.98 (T = 4096 with 8) and 0.98 (T = 16384 with 32), 128 rows 0.83 (T = 16384 with 8); before
+#: the packed steps (fc8ff7d) also 16 rows 1.20 (OLMoE T = 4096, 32), 64 rows 0.91 (OLMoE), 256 rows 0.84. 32 is
+#: the lowest measured point where the loop wins; 9-31 rows were not measured on the packed steps.
 #: It counts the bank's slots (``max_loras``), known on the host, not the adapters a batch uses (that would take a
 #: device sync): a bank of 32 slots with 4 in use counts 32, and keeps the flow longer than it needs to.
-GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR = 48
+GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR = 32
 
 
 #: When the two-launch token-major path (``moelab/kernels/token_major.py``) runs instead of the tiled pipeline, for

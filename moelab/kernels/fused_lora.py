@@ -290,12 +290,13 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 # shrinks run one K loop per adapter of each sub-tile. So the module's own choice takes the loop for a wide bank at
 # small batches only (``moelab.backends.triton_backend.ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``). Next: read the operands
 # of the tile's first two adapters before the K loop (T=32: ~2 adapters a tile), and profile the T >= 1024 shrinks.
-# Inside the Gluon GEMMs (``gluon_gemm.py``, sm_90, 128-row tiles; since 2026-12-06) the epilogue waits no more:
-# each adapter of a tile is one more K step a 64 ranks through the GEMMs' rings (its rows' rank vectors, zeros for
-# the other rows, and its B, copied by the load partition while the tensor cores run the previous steps), so the
-# module takes it from ``triton_backend.GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows per (expert, slot) on. What it
-# costs there (H100, 8 adapters at Qwen3 T = 16384: +922 µs on a 2154 µs base): the shrinks (428 µs, ~3x their
-# bytes' time), GEMM2's K steps (+258: 4-5 a tile against the base's 12) and GEMM1's (+180).
+# Inside the Gluon GEMMs (``gluon_gemm.py``, sm_90, 128-row tiles; since 2026-12-06) the epilogue waits no more: a
+# tile's adapters sit side by side in a few more K steps through the GEMMs' rings, 8 ranks a unit (each row's rank
+# vector where its adapter's units fall, zeros elsewhere, and each column's B from its adapter, copied by the load
+# partition while the tensor cores run the previous steps; each row's adapter and rank written by the W13 shrink and
+# read at the tile's start), so the module takes it from ``triton_backend.GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows
+# per (expert, slot) on. What it costs there (H100, 8 adapters at Qwen3 T = 16384: ~2960-3020 µs on a ~2180-2210 µs
+# base, 0aa01c8): the shrinks (~440 µs, ~1.3x their bytes' time), GEMM2's K steps (+~130) and GEMM1's (+~150).
 
 
 @jit
