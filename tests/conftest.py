@@ -18,6 +18,12 @@ settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True
 settings.register_profile("thorough", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# pytest-xdist workers share the machine's cores: each takes its share of torch's CPU threads (the float64
+# references are many small products in Python loops). With torch's default, every worker takes all the cores: on a
+# 16-core GPU box the LoRA tests of 10-15 workers did not finish in 8 minutes, and ran in 82 s on one thread each.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
