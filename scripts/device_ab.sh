@@ -16,7 +16,7 @@ if [ -n "${TESTS_TREE:-}" ]; then
 fi
 for tree in ${TREES:-}; do
   el "$tree ($(cat "$ROOT/build/ab/$tree/COMMIT"))"
-  (cd "$ROOT/build/ab/$tree/scripts" && PYTHONPATH=.. timeout "${AB_S:-150}" bash -c "$AB" 2>&1 | grep -v -i warn \
+  (cd "$ROOT/build/ab/$tree/scripts" && PYTHONPATH="$ROOT/build/ab/$tree" timeout "${AB_S:-150}" bash -c "$AB" 2>&1 | grep -v -i warn \
     | sed "s/^/[$tree] /" | tee -a "$OUT/ab.txt")
 done
 el done
