@@ -10,9 +10,13 @@ T0=$(date +%s); el() { echo "--- $1 at $(( $(date +%s) - T0 )) s"; }
 # that ran, so a run cut short still says which passed. One CPU thread a worker: with torch's 16 threads in each of
 # 10-15 workers, the float64 references' small matrix products kept the LoRA tests from finishing in 8 minutes (82 s
 # on one thread a worker, H100 box, 2026-12-06).
+# Each test stops after TEST_TIMEOUT seconds (150 unless set; pytest-timeout's thread method, where installed: it
+# dumps the stacks and ends the worker, so a kernel that never returns names its test and the rest run on).
 gpu_tests() {
   local limit=$1; shift
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} COLUMNS=400 timeout -s INT -k 10 "$limit" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" --tb=short "$@" \
+  local per_test=()
+  python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT:-150}" --timeout-method thread)
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} COLUMNS=400 timeout -s INT -k 10 "$limit" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" --tb=short "${per_test[@]}" "$@" \
     > "$OUT/${TESTS_LOG:-tests}.log" 2>&1
   echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)" "$OUT/${TESTS_LOG:-tests}.log" | tail -12
 }
