@@ -7,9 +7,10 @@ tiles, sized off every tile (H not a multiple of GEMM2's 256 columns, I not one 
 experts with no rows and dead tiles, GEMM1 with vLLM's LoRA delta), run through ``moe_gemm`` with NaN-poisoned
 outputs and in debug mode; each Gluon kernel must have run, and GEMM1's activations and GEMM2's rows must match
 float64 products of the same inputs, the padding rows NaN (debug mode's dead fill); the whole layer must match the
-float64 reference. With a fused LoRA bank in the tile mode (prefill), or a bank of any width in the adapter loop
-(each adapter of a tile its own K steps; what ``LoRAExperts`` takes by itself for banks wider than the tile mode's 64
-stacked columns), ``LoRAExperts`` must run both Gluon kernels with the bank and match
+float64 reference; so must GPT-OSS's epilogues (GEMM1's bias and clamped swigluoai, GEMM2's bias). With a fused
+LoRA bank in the tile mode (prefill), or a bank of any width in the adapter loop (a tile's adapters packed side by
+side in its LoRA K steps; what ``LoRAExperts`` takes by itself for banks wider than the tile mode's 64 stacked
+columns), ``LoRAExperts`` must run both Gluon kernels with the bank and match
 ``moelab.reference.lora_experts``, its tokens without an adapter the base call's rows bit for bit.
 """
 
@@ -102,8 +103,26 @@ def test_gluon_lora_gate_takes_the_adapter_loop_of_any_width_in_tiles():
     assert not gluon_gemm.takes_gluon_lora(loop_lora(8, 12)), "rank rows of 24 bytes: no 16-byte copies"
 
 
+def test_gluon_epilogues_compile_for_sm90(monkeypatch):
+    """GEMM1 with a bias and GPT-OSS's clamped swigluoai, and GEMM2 with a bias, compile for sm_90: the biases add
+    global loads to the plain kernels, the clamp adds min and max instructions, swigluoai changes the epilogue."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plain1, plain2 = (gluon_gemm.compile_sm90(gemm).asm["ptx"] for gemm in ("gemm1", "gemm2"))
+    oai = gluon_gemm.compile_sm90("gemm1", activation="swigluoai").asm["ptx"]
+    gpt_oss = gluon_gemm.compile_sm90("gemm1", bias=True, activation="swigluoai", swiglu_limit=7.0)
+    biased2 = gluon_gemm.compile_sm90("gemm2", bias=True)
+    assert gpt_oss.metadata.shared <= 232448 and biased2.metadata.shared <= 232448
+    same_as_swiglu = oai == plain1
+    assert not same_as_swiglu and "min.f32" not in oai and "max.f32" not in oai
+    assert "min.f32" in gpt_oss.asm["ptx"] and "max.f32" in gpt_oss.asm["ptx"]
+    assert gpt_oss.asm["ptx"].count("ld.global") > oai.count("ld.global")
+    assert biased2.asm["ptx"].count("ld.global") > plain2.count("ld.global")
+
+
 @pytest.mark.parametrize("gemm,options", [("gemm1", {}), ("gemm1", {"group_m": 8}), ("gemm1", {"lora": (4, 16, 16)}),
                                            ("gemm1", {"delta": True}),
+                                           ("gemm1", {"bias": True, "activation": "swigluoai", "swiglu_limit": 7.0}),
+                                           ("gemm2", {"bias": True}),
                                            ("gemm1", {"lora": (1, 64, 64), "lora_own": True}),
                                            ("gemm1", {"lora": (1, 128, 128), "lora_own": True}),
                                            ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)}),
@@ -205,6 +224,73 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, delta, monkey
     assert_close_to_reference(got, ref, torch.bfloat16, "output")
 
 
+#: (activation, swiglu_limit, biases, delta): GPT-OSS's experts (swigluoai clamped at 7, both biases; with vLLM's
+#: LoRA delta too), a limit that clamps a good share of the products, SwiGLU with biases, SwiGLU clamped (DeepSeek-V4's)
+#: without biases
+EPILOGUES = [("swigluoai", 7.0, True, False), ("swigluoai", 7.0, True, True), ("swigluoai", 0.75, True, False),
+             ("silu", None, True, False), ("silu", 0.75, False, False)]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+@pytest.mark.parametrize("activation,limit,biases,delta", EPILOGUES)
+def test_gluon_epilogues_against_float64(activation, limit, biases, delta, monkeypatch):
+    """GEMM1's bias and the gated activations of ``gluon_gemm.ACTIVATIONS``, GEMM2's bias on the live rows: both Gluon
+    kernels run them (sizes off their tiles, NaN-poisoned outputs, debug mode's NaN dead fill) and match float64
+    products of the same inputs through ``moelab.reference.apply_activation``; the whole layer of
+    ``prepare_weights`` with them matches ``moelab.reference.routed_moe``. The bias comes before the delta and the
+    activation (as in the Triton kernel)."""
+    T, E, K, H, I = 2048, 8, 4, 384, 320
+    seed = hash((activation, limit, biases, delta)) % 2**31
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).bfloat16().cuda() if biases else None
+    b2 = (torch.randn(E, H, generator=g) * 0.5).bfloat16().cuda() if biases else None
+    d = (torch.randn(T, K, 2 * I, generator=g) * 0.5).bfloat16().cuda() if delta else None  # [up | gate]
+    config = moe_gemm.choose_config(T, K, E)
+    assert config.block_m == 128, "the case must make 128-row tiles"
+    calls = []
+    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
+        real = getattr(gluon_gemm, name)
+        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or
+                            _real(*a, **k))
+    packed = moelab.pack_topk_ids_weights(ids, weights)
+    seg = build_segments_triton(packed, E, config.block_m, packed=True)
+    reach = seg.row_to_slot.numel()
+    act = poison(torch.empty(reach, I, dtype=torch.bfloat16, device="cuda"))
+    out = poison(torch.empty(reach, H, dtype=torch.bfloat16, device="cuda"))
+    moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"), activation=activation,
+                          swiglu_limit=limit, bias=b13, delta=d.view(T * K, 2 * I) if delta else None)
+    moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"), bias=b2)
+    assert calls == ["gemm1_swiglu_ws", "gemm2_ws"], "the Gluon kernels did not run"
+    slots = seg.row_to_slot.long()
+    live = slots >= 0
+    experts = seg.block_group.long().repeat_interleave(config.block_m)[:reach]
+    want_act = torch.full((reach, I), float("nan"), dtype=torch.float64, device="cuda")
+    want_out = torch.full((reach, H), float("nan"), dtype=torch.float64, device="cuda")
+    for e in range(E):  # float64 products expert by expert: GEMM2 of the kernel's own (rounded) activations
+        rows = (live & (experts == e)).nonzero().squeeze(1)
+        h = x.double()[slots[rows] // K] @ w13.double()[e].T + (b13.double()[e] if biases else 0.0)
+        if delta:  # h is [gate | up], the delta [up | gate]
+            h += d.double().view(T * K, 2 * I)[slots[rows]].roll(I, dims=1)
+        want_act[rows] = reference.apply_activation(h.cpu(), activation, swiglu_limit=limit).cuda()
+        want_out[rows] = act[rows].double() @ w2.double()[e].T + (b2.double()[e] if biases else 0.0)
+    if limit is not None and limit < 1:
+        clamped = (h.abs() > limit).double().mean().item()
+        assert clamped > 0.2, f"the limit must clamp a good share of the products, got {clamped:.0%}"
+    assert_close_to_reference(act[live].double(), want_act[live], torch.bfloat16, "act")
+    assert_close_to_reference(out[live].double(), want_out[live], torch.bfloat16, "gemm2")
+    assert act[~live].isnan().all() and out[~live].isnan().all(), "padding and dead rows: debug mode's NaN fill"
+
+    layer = moelab.prepare_weights(w13, w2, backend="triton", activation=activation, w13_bias=b13, w2_bias=b2,
+                                   swiglu_limit=limit)
+    got = moelab.routed_moe(packed, x, layer, num_experts=E, top_k=K, output=poison(torch.empty_like(x)),
+                            gemm1_lora_delta=d)[0]
+    assert calls[2:] == ["gemm1_swiglu_ws", "gemm2_ws"], "the layer did not run the Gluon kernels"
+    ref = reference.routed_moe(ids, reference.bf16_round(weights), x, w13, w2, activation=activation, w13_bias=b13,
+                               w2_bias=b2, swiglu_limit=limit, gemm1_lora_delta=d)["output"]
+    assert_close_to_reference(got, ref, torch.bfloat16, "output")
+
+
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
 def test_gluon_takes_only_what_it_handles(monkeypatch):
     """The gates take a plain call and refuse: an x row stride Triton cannot prove 16-byte aligned, mixed dtypes,
@@ -214,6 +300,14 @@ def test_gluon_takes_only_what_it_handles(monkeypatch):
     act = torch.empty(seg.row_to_slot.numel(), 320, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(seg.row_to_slot.numel(), 384, dtype=torch.bfloat16, device="cuda")
     assert gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act) and gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out)
+    b13, b2 = torch.zeros(4, 640, dtype=torch.bfloat16, device="cuda"), torch.zeros(4, 384, device="cuda")
+    assert gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, activation="swigluoai", bias=b13)
+    assert gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out, b2)
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, activation="gelu"), "no gelu epilogue"
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, gated=False)
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, input_weights=weights), "weights on the input"
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, bias=b13.t().contiguous().t())
+    assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out, b2.t().contiguous().t())
     wide = torch.zeros(600, 384 + 8, dtype=torch.bfloat16, device="cuda")[:, :384]  # a row stride of 392 elements
     assert not gluon_gemm.takes_gluon_gemm1(seg, 128, wide, w13, act)
     assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out.float())

@@ -4,11 +4,14 @@ dialect), for sm_90 GPUs and 128-row tiles:
     GEMM1:  act[p] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up)     act [R, I]
     GEMM2:  y[p]   = act[p] @ W2[e]^T + s2[p] @ B_down[e]                              y [R, H]
 
+or GPT-OSS's experts: GEMM1's bias b13[e] before a clamped "swigluoai" activation (``ACTIVATIONS``), GEMM2's bias
+b2[e] on the live rows
+
 (notation of ``moelab/kernels/moe_gemm.py``: p a permuted row, t its token, e its tile's local expert, d the
 slot's optional LoRA delta in [up | gate] order, or with a fused bank's tile-mode operands ``TileLoRA``
 d_gate = s_gate[p] @ B_gate[e] and d_up = s_up[p] @ B_up[e]: its stacked rank vectors by row times its stacked
 B, as one more K step each on the tiles holding an adapter). The same products as ``moe_gemm.gemm1_swiglu`` and
-``gemm2`` with plain SwiGLU and without a bias, in the same order (bit for bit on the shapes measured),
+``gemm2`` (with plain SwiGLU and without a bias in the same order: bit for bit on the shapes measured),
 for the compute-bound regime, where Triton's own compilation of those kernels leaves the tensor cores idle while a
 tile's loads and its epilogue run (Triton 3.6 gives sm_90 no warp specialisation). One program per SM walks the
 output tiles (row tile by row tile, or ``GROUP_M`` row tiles down each column block). In it:
@@ -21,8 +24,8 @@ output tiles (row tile by row tile, or ``GROUP_M`` row tiles down each column bl
   partition frees it);
 - the **MMA partition** (the kernel's ``num_warps`` = 8: two warpgroups, 64 rows each) waits for each slot, runs
   ``wgmma`` into fp32 accumulators with one step in flight, frees the slot behind it, and after a tile's last K step
-  (GEMM1: adds the delta, applies SwiGLU) rounds the tile into shared memory and stores it with a TMA store that
-  runs on while the next tile's products start.
+  (GEMM1: adds its bias and the delta, applies the activation; GEMM2: adds its bias) rounds the tile into shared
+  memory and stores it with a TMA store that runs on while the next tile's products start.
 
 Padding rows and tiles past the live rows (expert -1) are written with ``DEAD_FILL``; dead tiles read no weight.
 :func:`takes_gluon_gemm1` and :func:`takes_gluon_gemm2` say when a call can take them; ``moe_gemm`` asks them.
@@ -73,6 +76,12 @@ GEMM1_WS_TILE = (128, 64, 4)
 #: Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B and Mixtral (T = 4096, 16384; 6b9a3f9); at 96-128 rows (T = 1024)
 #: 0.96x on OLMoE, 0.98x on E64 K6, 1.00x on GPT-OSS-20B; Mixtral at 256 rows (T = 1024) 1.14x (7f8eec3).
 GEMM1_THREE_STAGES_GROUPED_ROWS = 512
+
+
+#: The gated activations GEMM1's epilogue runs (``moelab.prepare_weights``' names), each with or without a
+#: ``swiglu_limit`` and a bias: SwiGLU and GPT-OSS's clamped "swigluoai". Other activations, experts that are not
+#: gated and the router weight on the input keep the Triton kernels.
+ACTIVATIONS = ("silu", "swigluoai")
 
 
 def gemm1_stages(rows_per_expert: float, group_m: int) -> int:
@@ -171,6 +180,28 @@ if gluon is not None:
         it += 1
         _free_previous_slot(empty, it)
         return acc_gate, acc_up, it
+
+    @gluon.jit
+    def _column_bias(bias_ptr, expert_row0, col0, n_cols, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """fp32 [BLOCK_N] in ``layout`` (a slice of columns): ``bias_ptr[expert_row0 + c]`` for columns c = col0..
+        col0 + BLOCK_N below ``n_cols``, zeros past them."""
+        cols = col0 + gl.arange(0, BLOCK_N, layout=layout)
+        return gl.load(bias_ptr + expert_row0 + cols, mask=cols < n_cols, other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _gated_activation(gate, up, ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr,
+                          SWIGLU_LIMIT: gl.constexpr):
+        """The gated activations the Gluon GEMM1 runs on its fp32 accumulators (``moelab.reference``'s): "silu"
+        (SwiGLU) ``silu(gate) * up`` and GPT-OSS's "swigluoai" ``gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1)``;
+        with a SWIGLU_LIMIT, gate first clamped to <= the limit and up to [-limit, limit]."""
+        if SWIGLU_LIMIT is not None:
+            gate = gl.minimum(gate, SWIGLU_LIMIT)
+            up = gl.minimum(gl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+        if ACTIVATION == "swigluoai":
+            out = gate / (1.0 + gl.exp(-SWIGLU_ALPHA * gate)) * (up + 1.0)
+        else:
+            out = gate / (1.0 + gl.exp(-gate)) * up
+        return out
 
     @gluon.jit
     def _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, row0, BLOCK_M: gl.constexpr, layout: gl.constexpr):
@@ -363,8 +394,9 @@ if gluon is not None:
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
                              num_m, num_n, k_steps, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras,
-                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
-                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             bias_ptr, row_to_slot_ptr, H, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             LORA: gl.constexpr, MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr,
+                             HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -397,15 +429,22 @@ if gluon is not None:
                 elif LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         acc, it = _lora_mma_step(a_bufs, w_bufs, ready, empty, it, acc)
+                if HAS_BIAS:  # GEMM2's bias [E_local, H], on the live rows only (as the Triton kernel)
+                    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                    live = gl.load(row_to_slot_ptr + rows) >= 0
+                    bias = _column_bias(bias_ptr, expert.to(gl.int64) * H, pid_n * BLOCK_N, H, BLOCK_N,
+                                        gl.SliceLayout(0, acc_layout))
+                    acc += gl.where(live[:, None], bias[None, :], 0.0)
             _store_tile(out_desc, out_smem, acc, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
                          s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_adapters_ptr,
-                         row_ranks_ptr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                         row_ranks_ptr, bias_ptr, row_to_slot_ptr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                          DEAD_FILL: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
-                         COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, num_warps: gl.constexpr):
+                         COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -425,8 +464,8 @@ if gluon is not None:
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
                                     num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, row_adapters_ptr,
-                                    row_ranks_ptr, num_loras, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN,
-                                    num_warps)),
+                                    row_ranks_ptr, num_loras, bias_ptr, row_to_slot_ptr, H, GROUP_M, DEAD_FILL,
+                                    LORA, MAX_RANK, LORA_OWN, HAS_BIAS, num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
                                      num_live_blocks, num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr,
                                      num_local_experts, num_loras, row_adapters_ptr, row_ranks_ptr,
@@ -536,9 +575,11 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
-                             tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, HAS_DELTA: gl.constexpr,
-                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
-                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, bias_ptr,
+                             HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             LORA: gl.constexpr, MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr,
+                             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr,
+                             SWIGLU_LIMIT: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -580,6 +621,11 @@ if gluon is not None:
                     if gl.load(tile_flags_ptr + pid_m) != 0:
                         acc_gate, acc_up, it = _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it,
                                                                  acc_gate, acc_up)
+                if HAS_BIAS:  # GEMM1's bias [E_local, 2I] in w13's row order [gate; up], before the activation
+                    columns: gl.constexpr = gl.SliceLayout(0, acc_layout)
+                    bias_row = expert.to(gl.int64) * (2 * I)
+                    acc_gate += _column_bias(bias_ptr, bias_row, pid_n * BLOCK_N, I, BLOCK_N, columns)[None, :]
+                    acc_up += _column_bias(bias_ptr, bias_row + I, pid_n * BLOCK_N, I, BLOCK_N, columns)[None, :]
                 if HAS_DELTA:  # the slot's LoRA delta, [up | gate], added before the activation, unweighted:
                     # each half gathered into out_smem (free once the previous tile's store has read it) and read
                     # back in the accumulators' layout (a gather in that layout spills registers)
@@ -589,7 +635,8 @@ if gluon is not None:
                                           pid_n * BLOCK_N, I, acc_layout)
                     acc_gate += _delta_half(out_smem, delta_ptr + I, stride_d, row_to_slot_ptr, pid_m * BLOCK_M,
                                             pid_n * BLOCK_N, I, acc_layout)
-                act = gl.where(row_ok[:, None], acc_gate / (1.0 + gl.exp(-acc_gate)) * acc_up, DEAD_FILL)  # SwiGLU
+                act = gl.where(row_ok[:, None], _gated_activation(acc_gate, acc_up, ACTIVATION, SWIGLU_ALPHA,
+                                                                  SWIGLU_LIMIT), DEAD_FILL)
             _store_tile(out_desc, out_smem, act, pid_m, pid_n)
         tma.store_wait(pendings=0)
 
@@ -597,10 +644,12 @@ if gluon is not None:
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
                                 num_live_blocks, num_rows, H, I, delta_ptr, stride_d, s13_ptr, tile_flags_ptr,
                                 up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_adapters_ptr,
-                                row_ranks_ptr, HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                                GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
-                                MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
-                                LORA_OWN: gl.constexpr, num_warps: gl.constexpr):
+                                row_ranks_ptr, bias_ptr, HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr,
+                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                                LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                                COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr,
+                                num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
@@ -619,8 +668,9 @@ if gluon is not None:
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                                     block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
-                                    stride_d, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, HAS_DELTA,
-                                    GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN, num_warps)),
+                                    stride_d, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, bias_ptr,
+                                    HAS_DELTA, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN, HAS_BIAS, ACTIVATION,
+                                    SWIGLU_ALPHA, SWIGLU_LIMIT, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
                                      s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
@@ -711,10 +761,12 @@ def gathers_rows_of(x: torch.Tensor, w13: torch.Tensor) -> bool:
 
 
 def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: torch.Tensor,
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`gemm2_ws` can run this GEMM2: :func:`runs_on` its device, segments of 128-row tiles with rows
     (``block_m`` their tile), ``act``, ``w2`` and ``out`` all bf16 or all fp16, contiguous ``w2`` and TMA-able
-    ``act`` and ``out`` (unit column stride, 16-byte rows and base)."""
+    ``act`` and ``out`` (unit column stride, 16-byte rows and base), ``bias`` None or contiguous."""
+    if bias is not None and not bias.is_contiguous():
+        return False
     if (block_m != 128 or segments.tile != block_m or segments.row_to_slot.numel() == 0
             or not runs_on(w2.device)):
         return False
@@ -725,11 +777,11 @@ def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: t
 
 def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segments, *, block_m: int = 128,
              tile: tuple[int, int, int] = GEMM2_WS_TILE, group_m: int = 1, dead_fill: float = 0.0,
-             lora: TileLoRA | AdapterLoopLoRA | None = None) -> torch.Tensor:
+             lora: TileLoRA | AdapterLoopLoRA | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [R, H] = ``act`` [R, I] @ ``w2`` [E_local, H, I]^T per row tile's expert, over the rows ``segments``
     reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` the tile order's (as
     ``GemmConfig.group_m``); ``lora`` the fused bank's tile-mode or adapter-loop operands (+ s2 @ B_down on its
-    tiles) or None.
+    tiles) or None; ``bias`` None or [E_local, H] (+ bias[e] on the live rows).
     Check :func:`takes_gluon_gemm2` (and :func:`takes_gluon_lora`) first."""
     E_local, H, I = w2.shape
     reach = segments.row_to_slot.numel()
@@ -740,17 +792,24 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
     grid = (min(num_tiles, _multiprocessors(w2.device)),)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
-                           I, **_lora_args(lora, 2, act), STAGES=stages, GROUP_M=group_m,
-                           DEAD_FILL=dead_fill, num_warps=8)
+                           I, **_lora_args(lora, 2, act), bias_ptr=bias if bias is not None else act,
+                           row_to_slot_ptr=segments.row_to_slot, STAGES=stages, GROUP_M=group_m,
+                           DEAD_FILL=dead_fill, HAS_BIAS=bias is not None, num_warps=8)
     return out
 
 
 def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: torch.Tensor,
-                      act: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
-    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1 (plain SwiGLU; the caller rules out a bias, other
-    activations and weights on the input): as :func:`takes_gluon_gemm2`, and :func:`gathers_rows_of` ``x``; a
-    ``delta`` contiguous, of their dtype, 16-byte aligned, with I a multiple of 16 (its rows are gathered by 16-byte
-    copies too)."""
+                      act: torch.Tensor, delta: torch.Tensor | None = None, *, activation: str = "silu",
+                      gated: bool = True, bias: torch.Tensor | None = None,
+                      input_weights: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemm1_swiglu_ws` can run this GEMM1: as :func:`takes_gluon_gemm2`, and :func:`gathers_rows_of`
+    ``x``; a gated ``activation`` of ``ACTIVATIONS``, ``bias`` None or contiguous, no ``input_weights``; a ``delta``
+    contiguous, of their dtype, 16-byte aligned, with I a multiple of 16 (its rows are gathered by 16-byte copies
+    too)."""
+    if activation not in ACTIVATIONS or not gated or input_weights is not None:
+        return False
+    if bias is not None and not bias.is_contiguous():
+        return False
     if delta is not None and not (delta.is_contiguous() and delta.dtype == w13.dtype and delta.data_ptr() % 16 == 0
                                   and w13.shape[1] % 32 == 0):
         return False
@@ -760,14 +819,20 @@ def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: to
 def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments: Segments, *, top_k: int,
                     block_m: int = 128, tile: tuple[int, int, int] | None = None, group_m: int = 1,
                     delta: torch.Tensor | None = None, dead_fill: float = 0.0,
-                    lora: TileLoRA | AdapterLoopLoRA | None = None) -> torch.Tensor:
+                    lora: TileLoRA | AdapterLoopLoRA | None = None, activation: str = "silu",
+                    swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """``act`` [R, I] = silu(x[t] @ W_gate[e]^T + d_gate) * (x[t] @ W_up[e]^T + d_up) over the rows ``segments``
     reaches (tile ``block_m`` = 128; row p's slot s = row_to_slot[p], token t = s // top_k), ``x`` [T, H], ``w13``
     [E_local, 2I, H] ([gate; up] rows), ``delta`` None or contiguous [T*K, 2I] ([up | gate], the slot's row d);
     ``tile`` = (BLOCK_N, BLOCK_K, STAGES) (default GEMM1_WS_TILE with :func:`gemm1_stages`' depth for this call),
     ``group_m`` as :func:`gemm2_ws`'s; ``lora`` the fused bank's tile-mode or adapter-loop operands (+ s_gate @ B_gate
     and s_up @ B_up before the activation, on its tiles) or None. Padding rows get ``dead_fill``. Check
-    :func:`takes_gluon_gemm1` (and :func:`takes_gluon_lora`) first."""
+    :func:`takes_gluon_gemm1` (and :func:`takes_gluon_lora`) first. ``activation`` one of ``ACTIVATIONS`` (gated),
+    with ``swiglu_alpha`` (swigluoai: default 1.702) and ``swiglu_limit`` as :func:`moelab.prepare_weights` takes
+    them; ``bias`` None or [E_local, 2I] ([gate; up], added before the delta and the activation)."""
+    if activation == "swigluoai" and swiglu_alpha is None:
+        swiglu_alpha = 1.702
     E_local, two_i, H = w13.shape
     I = two_i // 2
     reach = segments.row_to_slot.numel()
@@ -781,17 +846,20 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
                                   delta if delta is not None else x, two_i,
-                                  **_lora_args(lora, 1, x),
-                                  HAS_DELTA=delta is not None,
+                                  **_lora_args(lora, 1, x), bias_ptr=bias if bias is not None else x,
+                                  HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+                                  SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                                   BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
 
 
 def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1, delta: bool = False,
-                 lora: tuple[int, int, int] | None = None, lora_own: bool = False):
+                 lora: tuple[int, int, int] | None = None, lora_own: bool = False, bias: bool = False,
+                 activation: str = "silu", swiglu_limit: float | None = None):
     """The Gluon kernel of ``gemm`` ("gemm1" or "gemm2") compiled for sm_90 on any machine (no GPU needed), bf16, at
     ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), GEMM1 with a LoRA ``delta`` or without, with a fused bank's
     tile-mode LoRA of ``lora`` = (L_PAD, R_PAD, max_rank) or without (``lora_own``: the adapter loop's, L_PAD 1),
+    with a bf16 ``bias`` or without, GEMM1's ``activation`` (swigluoai: alpha 1.702) and ``swiglu_limit``,
     with the divisibility hints a launch at real shapes gets. Returns Triton's compiled kernel: ``.asm["ptx"]``,
     ``.metadata.shared`` (bytes)."""
     import triton
@@ -806,10 +874,10 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
     bank = dict(s13_ptr="*bf16", s2_ptr="*bf16", tile_flags_ptr="*i32", up_b_ptr="*bf16", gate_b_ptr="*bf16",
                 down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", row_adapters_ptr="*i32",
-                row_ranks_ptr="*i32")
+                row_ranks_ptr="*i32", bias_ptr="*bf16")
     constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
                       COLUMNS=8 if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
-                      num_warps=8)
+                      HAS_BIAS=bias, num_warps=8)
     hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr",
               "row_adapters_ptr", "row_ranks_ptr")
     if gemm == "gemm1":
@@ -818,11 +886,12 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
         args = dict(x_ptr="*bf16", stride_x="i32", row_to_slot_ptr="*i32", top_k="i32",
                     w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles, delta_ptr="*bf16",
                     stride_d="i32", **bank)
-        constexprs |= dict(HAS_DELTA=delta, BLOCK_K=block_k)
+        constexprs |= dict(HAS_DELTA=delta, BLOCK_K=block_k, ACTIVATION=activation, SWIGLU_LIMIT=swiglu_limit,
+                           SWIGLU_ALPHA=1.702 if activation == "swigluoai" else None)
     else:
         kernel = _gemm2_ws_kernel
         args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),
-                    **tiles, **bank)
+                    **tiles, **bank, row_to_slot_ptr="*i32")
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in hinted if name in kernel.arg_names}
     source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)

@@ -23,8 +23,9 @@ With a fused LoRA bank (``LORA``) the epilogues also expand the bank's rank vect
 :class:`~moelab.kernels.fused_lora.DecodeLoRA` hands the launchers below their LoRA operands.
 
 The launchers :func:`gemm1_swiglu` and :func:`gemm2` size the grids; :func:`choose_config` picks the tiles. On sm_90
-they hand plain SwiGLU calls on 128-row tiles (no bias; GEMM1 takes a delta, both the tile mode's fused bank) to the
-Gluon kernels of ``moelab/kernels/gluon_gemm.py`` (``MOELAB_GLUON=0``: never).
+they hand the calls on 128-row tiles to the Gluon kernels of ``moelab/kernels/gluon_gemm.py`` (``MOELAB_GLUON=0``:
+never): plain SwiGLU with a delta (GEMM1) or a fused bank (the tile mode's or the adapter loop's), or without LoRA
+a gated activation of ``gluon_gemm.ACTIVATIONS`` (GPT-OSS's clamped swigluoai) with or without the biases.
 """
 
 from __future__ import annotations
@@ -583,11 +584,14 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)
-    lora_ok = lora is None or (delta is None and gluon_gemm.takes_gluon_lora(lora))  # the tile mode's bank
-    if (lora_ok and not options  # plain SwiGLU, on 128-row tiles of an sm_90 GPU
-            and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act, delta)):
+    # on 128-row tiles of an sm_90 GPU: a fused bank with plain SwiGLU, or a gated activation of the Gluon epilogue
+    lora_ok = lora is None or (delta is None and not options and gluon_gemm.takes_gluon_lora(lora))
+    if lora_ok and gluon_gemm.takes_gluon_gemm1(segments, config.block_m, x, w13, act, delta, activation=activation,
+                                                gated=gated, bias=bias, input_weights=input_weights):
         return gluon_gemm.gemm1_swiglu_ws(x, w13, act, segments, top_k=top_k, block_m=config.block_m,
-                                          group_m=config.group_m, delta=delta, dead_fill=dead_fill, lora=lora)
+                                          group_m=config.group_m, delta=delta, dead_fill=dead_fill, lora=lora,
+                                          activation=activation, swiglu_alpha=swiglu_alpha,
+                                          swiglu_limit=swiglu_limit, bias=bias)
     if takes_tma(config, H * I, w13):
         options |= dict(w_rows=w13.shape[0] * w13.shape[1], W_DESC=True, WARP_SPECIALIZE=WARP_SPECIALIZE["gemm1"])
     _gemm1_swiglu_kernel[(cdiv(reach, config.block_m) * cdiv(I, config.block_n),)](
@@ -609,10 +613,10 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
     """``out`` [R2, H] = GEMM2 of ``act`` [R1, I] (GEMM1's output, same rows) with ``w2`` [E_local, H, I], over the
     rows ``segments`` reaches (unweighted; plus ``bias`` contiguous [E_local, H] on live rows, and the fused bank's
     W2 term with ``lora``)."""
-    if ((lora is None or gluon_gemm.takes_gluon_lora(lora)) and bias is None
-            and gluon_gemm.takes_gluon_gemm2(segments, config.block_m, act, w2, out)):
+    if ((lora is None or (bias is None and gluon_gemm.takes_gluon_lora(lora)))
+            and gluon_gemm.takes_gluon_gemm2(segments, config.block_m, act, w2, out, bias)):
         return gluon_gemm.gemm2_ws(act, w2, out, segments, block_m=config.block_m, group_m=config.group_m,
-                                   dead_fill=dead_fill, lora=lora)
+                                   dead_fill=dead_fill, lora=lora, bias=bias)
     H, I = w2.shape[1], w2.shape[2]
     reach = segments.row_to_slot.numel()
     lora_args = lora.gemm2_args(act) if lora is not None else dict.fromkeys(_GEMM2_NO_LORA, act) | _NO_BANK | {
