@@ -119,9 +119,26 @@ def test_gluon_epilogues_compile_for_sm90(monkeypatch):
     assert biased2.asm["ptx"].count("ld.global") > plain2.count("ld.global")
 
 
+def test_gluon_gemms_refuse_a_lora_bank_with_epilogue_options():
+    """Called directly, the Gluon GEMMs refuse a fused LoRA bank together with a bias or another activation (their
+    LoRA steps come before the bias, unlike the Triton kernels' order) with a ValueError naming the argument, before
+    any launch."""
+    x, w = torch.zeros(4, 64), torch.zeros(2, 64, 64)
+    bank = object()  # never read: the check comes first
+    with pytest.raises(ValueError, match="lora"):
+        gluon_gemm.gemm1_swiglu_ws(x, w, x, None, top_k=2, lora=bank, bias=torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="lora"):
+        gluon_gemm.gemm1_swiglu_ws(x, w, x, None, top_k=2, lora=bank, activation="swigluoai")
+    with pytest.raises(ValueError, match="bias"):
+        gluon_gemm.gemm2_ws(x, w, x, None, lora=bank, bias=torch.zeros(2, 64))
+
+
 @pytest.mark.parametrize("gemm,options", [("gemm1", {}), ("gemm1", {"group_m": 8}), ("gemm1", {"lora": (4, 16, 16)}),
                                            ("gemm1", {"delta": True}),
                                            ("gemm1", {"bias": True, "activation": "swigluoai", "swiglu_limit": 7.0}),
+                                           ("gemm1", {"bias": True, "delta": True, "activation": "swigluoai",
+                                                      "swiglu_limit": 7.0}),
+                                           ("gemm1", {"bias": True, "delta": True}),
                                            ("gemm2", {"bias": True}),
                                            ("gemm1", {"lora": (1, 64, 64), "lora_own": True}),
                                            ("gemm1", {"lora": (1, 128, 128), "lora_own": True}),
@@ -240,7 +257,7 @@ def test_gluon_epilogues_against_float64(activation, limit, biases, delta, monke
     ``prepare_weights`` with them matches ``moelab.reference.routed_moe``. The bias comes before the delta and the
     activation (as in the Triton kernel)."""
     T, E, K, H, I = 2048, 8, 4, 384, 320
-    seed = hash((activation, limit, biases, delta)) % 2**31
+    seed = 100 + EPILOGUES.index((activation, limit, biases, delta))  # (hash() of a str varies between processes)
     w13, w2, x, ids, weights = _problem(T, E, K, H, I, seed)
     g = torch.Generator().manual_seed(seed + 1)
     b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).bfloat16().cuda() if biases else None
@@ -262,30 +279,37 @@ def test_gluon_epilogues_against_float64(activation, limit, biases, delta, monke
                           swiglu_limit=limit, bias=b13, delta=d.view(T * K, 2 * I) if delta else None)
     moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"), bias=b2)
     assert calls == ["gemm1_swiglu_ws", "gemm2_ws"], "the Gluon kernels did not run"
+    zero_act = torch.where(act.isnan(), 0.0, act)  # GEMM2 again on zero padding rows: its bias stays off them
+    zero_fill = moe_gemm.gemm2(zero_act, w2, poison(torch.empty_like(out)), seg, config=config, bias=b2)
+    assert (zero_fill[(seg.row_to_slot < 0)] == 0).all(), "GEMM2's bias on padding or dead rows"
     slots = seg.row_to_slot.long()
     live = slots >= 0
     experts = seg.block_group.long().repeat_interleave(config.block_m)[:reach]
     want_act = torch.full((reach, I), float("nan"), dtype=torch.float64, device="cuda")
     want_out = torch.full((reach, H), float("nan"), dtype=torch.float64, device="cuda")
+    clamped = []
     for e in range(E):  # float64 products expert by expert: GEMM2 of the kernel's own (rounded) activations
         rows = (live & (experts == e)).nonzero().squeeze(1)
         h = x.double()[slots[rows] // K] @ w13.double()[e].T + (b13.double()[e] if biases else 0.0)
         if delta:  # h is [gate | up], the delta [up | gate]
             h += d.double().view(T * K, 2 * I)[slots[rows]].roll(I, dims=1)
         want_act[rows] = reference.apply_activation(h.cpu(), activation, swiglu_limit=limit).cuda()
+        if limit is not None:  # gate > limit or |up| > limit
+            clamped.append(torch.cat([h[:, :I] > limit, h[:, I:].abs() > limit], dim=1).double().mean())
         want_out[rows] = act[rows].double() @ w2.double()[e].T + (b2.double()[e] if biases else 0.0)
     if limit is not None and limit < 1:
-        clamped = (h.abs() > limit).double().mean().item()
-        assert clamped > 0.2, f"the limit must clamp a good share of the products, got {clamped:.0%}"
+        share = torch.stack(clamped).mean().item()
+        assert share > 0.2, f"the limit must clamp a good share of the products, got {share:.0%}"
     assert_close_to_reference(act[live].double(), want_act[live], torch.bfloat16, "act")
     assert_close_to_reference(out[live].double(), want_out[live], torch.bfloat16, "gemm2")
     assert act[~live].isnan().all() and out[~live].isnan().all(), "padding and dead rows: debug mode's NaN fill"
 
     layer = moelab.prepare_weights(w13, w2, backend="triton", activation=activation, w13_bias=b13, w2_bias=b2,
                                    swiglu_limit=limit)
+    del calls[:]
     got = moelab.routed_moe(packed, x, layer, num_experts=E, top_k=K, output=poison(torch.empty_like(x)),
                             gemm1_lora_delta=d)[0]
-    assert calls[2:] == ["gemm1_swiglu_ws", "gemm2_ws"], "the layer did not run the Gluon kernels"
+    assert calls == ["gemm1_swiglu_ws", "gemm2_ws"], "the layer did not run the Gluon kernels"
     ref = reference.routed_moe(ids, reference.bf16_round(weights), x, w13, w2, activation=activation, w13_bias=b13,
                                w2_bias=b2, swiglu_limit=limit, gemm1_lora_delta=d)["output"]
     assert_close_to_reference(got, ref, torch.bfloat16, "output")
@@ -308,6 +332,8 @@ def test_gluon_takes_only_what_it_handles(monkeypatch):
     assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, input_weights=weights), "weights on the input"
     assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, bias=b13.t().contiguous().t())
     assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out, b2.t().contiguous().t())
+    unaligned = torch.zeros(4 * 640 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(4, 640)  # 2 bytes off
+    assert not gluon_gemm.takes_gluon_gemm1(seg, 128, x, w13, act, bias=unaligned), "an unaligned bias"
     wide = torch.zeros(600, 384 + 8, dtype=torch.bfloat16, device="cuda")[:, :384]  # a row stride of 392 elements
     assert not gluon_gemm.takes_gluon_gemm1(seg, 128, wide, w13, act)
     assert not gluon_gemm.takes_gluon_gemm2(seg, 128, act, w2, out.float())

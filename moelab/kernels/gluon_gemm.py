@@ -760,12 +760,19 @@ def gathers_rows_of(x: torch.Tensor, w13: torch.Tensor) -> bool:
             and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
+def _bias_ok(bias: torch.Tensor) -> bool:
+    """A bias the epilogues read: contiguous, 16-byte aligned (Triton then proves its loads aligned; GEMM1's epilogue
+    with a bias and a delta spills registers on an unaligned one)."""
+    return bias.is_contiguous() and bias.data_ptr() % 16 == 0
+
+
 def takes_gluon_gemm2(segments: Segments, block_m: int, act: torch.Tensor, w2: torch.Tensor,
                       out: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`gemm2_ws` can run this GEMM2: :func:`runs_on` its device, segments of 128-row tiles with rows
     (``block_m`` their tile), ``act``, ``w2`` and ``out`` all bf16 or all fp16, contiguous ``w2`` and TMA-able
-    ``act`` and ``out`` (unit column stride, 16-byte rows and base), ``bias`` None or contiguous."""
-    if bias is not None and not bias.is_contiguous():
+    ``act`` and ``out`` (unit column stride, 16-byte rows and base), ``bias`` None or contiguous and 16-byte
+    aligned."""
+    if bias is not None and not _bias_ok(bias):
         return False
     if (block_m != 128 or segments.tile != block_m or segments.row_to_slot.numel() == 0
             or not runs_on(w2.device)):
@@ -781,8 +788,11 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     """``out`` [R, H] = ``act`` [R, I] @ ``w2`` [E_local, H, I]^T per row tile's expert, over the rows ``segments``
     reaches (tile ``block_m`` = 128); ``tile`` = (BLOCK_N, BLOCK_K, STAGES), ``group_m`` the tile order's (as
     ``GemmConfig.group_m``); ``lora`` the fused bank's tile-mode or adapter-loop operands (+ s2 @ B_down on its
-    tiles) or None; ``bias`` None or [E_local, H] (+ bias[e] on the live rows).
+    tiles) or None; ``bias`` None or [E_local, H] (+ bias[e] on the live rows; not with ``lora``).
     Check :func:`takes_gluon_gemm2` (and :func:`takes_gluon_lora`) first."""
+    if lora is not None and bias is not None:
+        raise ValueError("bias: the Gluon GEMM2 adds a bias without a fused LoRA bank only (its LoRA step would come "
+                         "before the bias, unlike the Triton kernel's order); pass lora=None or use moe_gemm.gemm2")
     E_local, H, I = w2.shape
     reach = segments.row_to_slot.numel()
     block_n, block_k, stages = tile
@@ -803,12 +813,13 @@ def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: to
                       gated: bool = True, bias: torch.Tensor | None = None,
                       input_weights: torch.Tensor | None = None) -> bool:
     """Whether :func:`gemm1_swiglu_ws` can run this GEMM1: as :func:`takes_gluon_gemm2`, and :func:`gathers_rows_of`
-    ``x``; a gated ``activation`` of ``ACTIVATIONS``, ``bias`` None or contiguous, no ``input_weights``; a ``delta``
+    ``x``; a gated ``activation`` of ``ACTIVATIONS``, ``bias`` None or contiguous and 16-byte aligned, no
+    ``input_weights``; a ``delta``
     contiguous, of their dtype, 16-byte aligned, with I a multiple of 16 (its rows are gathered by 16-byte copies
     too)."""
     if activation not in ACTIVATIONS or not gated or input_weights is not None:
         return False
-    if bias is not None and not bias.is_contiguous():
+    if bias is not None and not _bias_ok(bias):
         return False
     if delta is not None and not (delta.is_contiguous() and delta.dtype == w13.dtype and delta.data_ptr() % 16 == 0
                                   and w13.shape[1] % 32 == 0):
@@ -831,6 +842,9 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     :func:`takes_gluon_gemm1` (and :func:`takes_gluon_lora`) first. ``activation`` one of ``ACTIVATIONS`` (gated),
     with ``swiglu_alpha`` (swigluoai: default 1.702) and ``swiglu_limit`` as :func:`moelab.prepare_weights` takes
     them; ``bias`` None or [E_local, 2I] ([gate; up], added before the delta and the activation)."""
+    if lora is not None and (bias is not None or (activation, swiglu_limit) != ("silu", None)):
+        raise ValueError("lora: the Gluon GEMM1 folds a fused LoRA bank into plain SwiGLU without a bias only; pass "
+                         "lora=None or use moe_gemm.gemm1_swiglu")
     if activation == "swigluoai" and swiglu_alpha is None:
         swiglu_alpha = 1.702
     E_local, two_i, H = w13.shape
@@ -879,7 +893,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
                       COLUMNS=8 if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
                       HAS_BIAS=bias, num_warps=8)
     hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr",
-              "row_adapters_ptr", "row_ranks_ptr")
+              "row_adapters_ptr", "row_ranks_ptr", "bias_ptr")
     if gemm == "gemm1":
         kernel = _gemm1_swiglu_ws_kernel
         hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d", "I")
@@ -890,6 +904,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
                            SWIGLU_ALPHA=1.702 if activation == "swigluoai" else None)
     else:
         kernel = _gemm2_ws_kernel
+        hinted += ("H",) if bias else ()  # the bias's row offset (a launch with H a multiple of 16 gets the hint)
         args = dict(a_desc=desc([128, block_k]), w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]),
                     **tiles, **bank, row_to_slot_ptr="*i32")
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
