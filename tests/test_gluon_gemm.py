@@ -172,6 +172,32 @@ def test_gluon_rings_too_shallow_do_not_compile(gemm, stages, monkeypatch):
         gluon_gemm.compile_sm90(gemm, (block_n, block_k, stages))
 
 
+def _gluon_calls(monkeypatch, with_lora: bool = False) -> list:
+    """Records each Gluon GEMM call from here on: its name, or with ``with_lora`` (name, type of its ``lora``
+    operands); each call still runs."""
+    calls = []
+
+    def spy(real, name):
+        def call(*a, **k):
+            calls.append((name, type(k.get("lora")).__name__) if with_lora else name)
+            return real(*a, **k)
+        return call
+
+    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
+        monkeypatch.setattr(gluon_gemm, name, spy(getattr(gluon_gemm, name), name))
+    return calls
+
+
+def _segments_and_poisoned_rows(ids, weights, E, config, I, H):
+    """The packed routing, its segments on ``config``'s tiles, and NaN-poisoned bf16 GEMM outputs act [reach, I] and
+    out [reach, H] on the GPU."""
+    packed = moelab.pack_topk_ids_weights(ids, weights)
+    seg = build_segments_triton(packed, E, config.block_m, packed=True)
+    reach = seg.row_to_slot.numel()
+    return (packed, seg, poison(torch.empty(reach, I, dtype=torch.bfloat16, device="cuda")),
+            poison(torch.empty(reach, H, dtype=torch.bfloat16, device="cuda")))
+
+
 def _problem(T, E, K, H, I, seed, skew=False):
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16().cuda()
@@ -202,16 +228,9 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, delta, monkey
         d[::3] = 0
     config = dataclasses.replace(moe_gemm.choose_config(T, K, E), group_m=group_m)
     assert config.block_m == 128, "the case must make 128-row tiles"
-    calls = []
-    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
-        real = getattr(gluon_gemm, name)
-        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or
-                            _real(*a, **k))
-    packed = moelab.pack_topk_ids_weights(ids, weights)
-    seg = build_segments_triton(packed, E, config.block_m, packed=True)
+    calls = _gluon_calls(monkeypatch)
+    packed, seg, act, out = _segments_and_poisoned_rows(ids, weights, E, config, I, H)
     reach = seg.row_to_slot.numel()
-    act = poison(torch.empty(reach, I, dtype=torch.bfloat16, device="cuda"))
-    out = poison(torch.empty(reach, H, dtype=torch.bfloat16, device="cuda"))
     moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"),
                           delta=d.view(T * K, 2 * I) if delta else None)
     moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"))
@@ -265,16 +284,9 @@ def test_gluon_epilogues_against_float64(activation, limit, biases, delta, monke
     d = (torch.randn(T, K, 2 * I, generator=g) * 0.5).bfloat16().cuda() if delta else None  # [up | gate]
     config = moe_gemm.choose_config(T, K, E)
     assert config.block_m == 128, "the case must make 128-row tiles"
-    calls = []
-    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
-        real = getattr(gluon_gemm, name)
-        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or
-                            _real(*a, **k))
-    packed = moelab.pack_topk_ids_weights(ids, weights)
-    seg = build_segments_triton(packed, E, config.block_m, packed=True)
+    calls = _gluon_calls(monkeypatch)
+    packed, seg, act, out = _segments_and_poisoned_rows(ids, weights, E, config, I, H)
     reach = seg.row_to_slot.numel()
-    act = poison(torch.empty(reach, I, dtype=torch.bfloat16, device="cuda"))
-    out = poison(torch.empty(reach, H, dtype=torch.bfloat16, device="cuda"))
     moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"), activation=activation,
                           swiglu_limit=limit, bias=b13, delta=d.view(T * K, 2 * I) if delta else None)
     moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"), bias=b2)
@@ -375,11 +387,7 @@ def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks,
         lora_ids[1::2] = -1
     elif who == "first":
         lora_ids[3:] = -1
-    calls = []
-    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
-        real = getattr(gluon_gemm, name)
-        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(
-            (_name, type(k.get("lora")).__name__)) or _real(*a, **k))
+    calls = _gluon_calls(monkeypatch, with_lora=True)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused=fused)
     out, base = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
     mode = "TileLoRA" if fused == "tiles" else "AdapterLoopLoRA"
@@ -434,11 +442,7 @@ def test_the_gluon_adapter_loop_skips_empty_slots_and_steps_past_64_ranks(monkey
         bank.set(slot, scaling=0.5, **{k: v.bfloat16().cuda() for k, v in adapter.items()})
     lora_ids = torch.randint(-1, 5, (T,), generator=torch.Generator().manual_seed(11)).cuda()
     lora_ids[(lora_ids == 1) | (lora_ids == 4)] = -1  # tokens may not name an empty slot (the module says so)
-    modes = []
-    for name in ("gemm1_swiglu_ws", "gemm2_ws"):
-        real = getattr(gluon_gemm, name)
-        monkeypatch.setattr(gluon_gemm, name, lambda *a, _real=real, _name=name, **k: modes.append(
-            (_name, type(k.get("lora")).__name__)) or _real(*a, **k))
+    modes = _gluon_calls(monkeypatch, with_lora=True)
     experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="adapter-loop")
     out, base = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
     assert {("gemm1_swiglu_ws", "AdapterLoopLoRA"), ("gemm2_ws", "AdapterLoopLoRA")} <= set(modes), modes
