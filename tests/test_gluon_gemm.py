@@ -90,13 +90,15 @@ def test_gluon_lora_gate_takes_the_adapter_loop_of_any_width_in_tiles():
         bank = moelab.LoRABank(max_loras, 4, 64, 32, max_rank, device=dev)
         r_pad = fused_lora.own_rank_pad(bank)
         seg = build_segments_triton(torch.zeros(8, 2, dtype=torch.int32, device=dev), 4, 128, packed=False)
-        rows = None if decode else torch.zeros(2, 128, dtype=torch.int32, device=dev)  # the W13 shrink's output
+        packing = {} if decode else dict(  # the W13 shrink's output
+            row_first_units=torch.zeros(128, dtype=torch.int32, device=dev),
+            row_ranks=torch.zeros(128, dtype=torch.int32, device=dev),
+            tile_units=torch.zeros(1, dtype=torch.int32, device=dev),
+            unit_map=torch.zeros(1, 16, dtype=torch.int32, device=dev))
         return fused_lora.AdapterLoopLoRA(bank, torch.zeros(8, dtype=torch.int32, device=dev),
                                           torch.ones(8, 2, device=dev), seg, 2, 4, decode, bank.rank_table(),
                                           s13=torch.zeros(128, 2, r_pad, device=dev),
-                                          s2=torch.zeros(128, r_pad, device=dev),
-                                          row_adapters=None if decode else rows[0],
-                                          row_ranks=None if decode else rows[1])
+                                          s2=torch.zeros(128, r_pad, device=dev), **packing)
 
     assert gluon_gemm.takes_gluon_lora(loop_lora(8, 64)) and gluon_gemm.takes_gluon_lora(loop_lora(32, 128))
     assert not gluon_gemm.takes_gluon_lora(loop_lora(8, 64, decode=True)), "decode: the Triton kernels"

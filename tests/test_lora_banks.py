@@ -109,10 +109,12 @@ def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device
 
 
 @pytest.mark.parametrize("mode", ["tiles", "sorted"])
-def test_the_tile_shrink_writes_each_rows_adapter_and_rank(mode, monkeypatch, device):
-    """The W13 tile shrink also writes each row of a live tile its adapter (-1: none or a padding row) and its rank
-    (0 without one), which the Gluon GEMMs read instead of the slots' adapters: checked row by row against the
-    segments, the tokens' adapters and the bank's ranks (the buffers start at a value no row can hold)."""
+def test_the_tile_shrink_writes_each_tiles_packing(mode, monkeypatch, device):
+    """The W13 tile shrink also writes how the Gluon GEMMs pack each live tile's adapters side by side in their LoRA
+    K steps (adapter order, ceil(rank / 8) units of 8 ranks each): each row's rank (0 without an adapter) and its
+    adapter's first unit, the tile's units in all and each unit's ``adapter << 16 | first unit``. Checked tile by
+    tile against a model built from the segments, the tokens' adapters and the bank's ranks (the buffers start at a
+    value no entry can hold)."""
     kept = []
     original = fused_lora.adapter_loop_shrink_w13
     monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
@@ -123,13 +125,25 @@ def test_the_tile_shrink_writes_each_rows_adapter_and_rank(mode, monkeypatch, de
     experts(x, w, ids, lora_ids)
     (lora,) = kept
     seg = lora.segments
-    live = (seg.block_group >= 0).repeat_interleave(seg.tile)  # rows of live tiles
     slots = seg.row_to_slot.long()
     adapter = torch.where(slots >= 0, lora_ids.long()[slots.clamp(min=0) // ids.shape[1]], -1)
     rank = torch.where(adapter >= 0, experts.lora.rank_table().long()[adapter.clamp(min=0)], 0)
-    assert (adapter[live] >= 0).any() and (adapter[live] == -1).any()
-    assert torch.equal(lora.row_adapters[live].long(), adapter[live])
-    assert torch.equal(lora.row_ranks[live].long(), rank[live])
+    several = 0
+    for t in (seg.block_group >= 0).nonzero().squeeze(1).tolist():
+        rows = slice(t * seg.tile, (t + 1) * seg.tile)
+        first, units, unit_map = {}, 0, []
+        for a in sorted(set(adapter[rows].tolist()) - {-1}):
+            first[a] = units
+            n = -(-int(rank[rows][adapter[rows] == a].max()) // 8)
+            unit_map += [a << 16 | units] * n
+            units += n
+        several += len(first) > 1
+        want_first = [first.get(a, 0) for a in adapter[rows].tolist()]
+        assert lora.row_first_units[rows].tolist() == want_first, f"tile {t}: rows' first units"
+        assert torch.equal(lora.row_ranks[rows].long(), rank[rows]), f"tile {t}: rows' ranks"
+        assert lora.tile_units[t].item() == units, f"tile {t}: units in all"
+        assert lora.unit_map[t, :units].tolist() == unit_map, f"tile {t}: the unit map"
+    assert several and (adapter[(seg.block_group >= 0).repeat_interleave(seg.tile)] == -1).any()
 
 
 def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch, device):

@@ -417,35 +417,66 @@ def w2_shrink_share(act, a2_lo, adapters, row_ranks, lo, hi, rank_lo, down_a_ptr
 
 
 @jit
+def _write_tile_packing(tile, row_to_slot_ptr, lora_ids_ptr, ranks_ptr, top_k, num_loras, max_rank, row_first_ptr,
+                        row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, TILE: tl.constexpr,
+                        ADAPTER_UNITS: tl.constexpr):
+    """How the Gluon GEMMs pack tile ``tile``'s adapters side by side in their LoRA K steps, in adapter order, each
+    ceil(rank / 8) units of 8 ranks: each row's rank (0 without an adapter) and its adapter's first unit (0 without
+    one) into int32 ``row_ranks`` and ``row_first`` [rows], the tile's units in all into ``tile_units`` [tiles], and
+    each unit's ``adapter << 16 | its adapter's first unit`` into ``unit_map`` [tiles, units_max] (units past the
+    tile's not written). One reduction an adapter here, once a tile, so the GEMMs' partitions run none."""
+    rows = tile * TILE + tl.arange(0, TILE)
+    slots = tl.load(row_to_slot_ptr + rows)
+    row_ok = slots >= 0
+    adapters, row_ranks, lo, hi, _ = tile_adapters(lora_ids_ptr, tl.where(row_ok, slots, 0) // top_k, row_ok,
+                                                   num_loras, ranks_ptr, max_rank)
+    first_unit = tl.zeros([TILE], dtype=tl.int32)
+    units = 0
+    u = tl.arange(0, ADAPTER_UNITS)
+    for a in range(lo, hi + 1):
+        mine = adapters == a
+        n = tl.cdiv(tl.max(tl.where(mine, row_ranks, 0), axis=0), 8)
+        first_unit = tl.where(mine, units, first_unit)
+        tl.store(unit_map_ptr + tile.to(tl.int64) * units_max + units + u, (a << 16) | units, mask=u < n)
+        units += n
+    tl.store(row_first_ptr + rows, first_unit)
+    tl.store(row_ranks_ptr + rows, row_ranks)
+    tl.store(tile_units_ptr + tile, units)
+
+
+@jit
 def _own_shrink_kernel(
     in_ptr, a0_ptr, a1_ptr, out_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr, weights_ptr, ranks_ptr,
-    row_adapters_ptr, row_ranks_ptr, D, top_k, num_local_experts, num_loras, max_rank, stride_in,
+    row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, D, top_k, num_local_experts, num_loras,
+    max_rank, stride_in,
     GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     R_PAD: tl.constexpr, SUB_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_ROWS: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+    WRITE_PACKING: tl.constexpr = False, ADAPTER_UNITS: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
 ):
     """The adapter loop's tile shrink, one program per SUB_M rows of the GEMMs' permuted rows (a sub-tile of their
     TILE): each row's own rank vector ``A_j @ in[row]`` of its adapter, [rows, NUM_SLICES, R_PAD] in the input
     dtype (fp32 accumulation), all R_PAD columns written (zeros past the adapter's rank) for rows with an adapter,
     nothing for the others (the GEMMs never read them). A K loop per adapter present in the sub-tile, each reading
-    only its rows. GATHER, WEIGHTED: as :func:`_lora_shrink_kernel`. WRITE_ROWS: also each row's adapter (-1: none
-    or a padding row) and rank (0 without an adapter, at most max_rank) into int32 ``row_adapters`` and
-    ``row_ranks`` [rows], which the Gluon GEMMs read at a tile's start instead of a chain of dependent loads."""
+    only its rows. GATHER, WEIGHTED: as :func:`_lora_shrink_kernel`. WRITE_PACKING: the first program of each tile
+    also writes the tile's packing for the Gluon GEMMs (:func:`_write_tile_packing`; ADAPTER_UNITS: the most units
+    of one adapter, a power of two)."""
     wait_for_previous_kernel(USE_GDC)
     pid = tl.program_id(0)
     expert = tl.load(block_group_ptr + pid // (TILE // SUB_M))
     if expert < 0:
         return
+    if WRITE_PACKING:
+        if pid % (TILE // SUB_M) == 0:
+            _write_tile_packing(pid // (TILE // SUB_M), row_to_slot_ptr, lora_ids_ptr, ranks_ptr, top_k, num_loras,
+                                max_rank, row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max,
+                                TILE, ADAPTER_UNITS)
     rows = pid * SUB_M + tl.arange(0, SUB_M)
     slots = tl.load(row_to_slot_ptr + rows)
     row_ok = slots >= 0
     slots = tl.where(row_ok, slots, 0).to(tl.int64)
     adapters, row_ranks, lo, hi, _ = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr,
                                                    max_rank)
-    if WRITE_ROWS:
-        tl.store(row_adapters_ptr + rows, adapters)
-        tl.store(row_ranks_ptr + rows, row_ranks)
     in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     r = tl.arange(0, R_PAD)
@@ -668,8 +699,11 @@ class AdapterLoopLoRA(_LoRAOperands):
     s13: torch.Tensor  # [T*K or R, 2, R_PAD] input dtype, [up | gate]
     s2: torch.Tensor  # [T*K, R_PAD] fp32 unweighted (decode) or [R, R_PAD] input dtype weighted (tiles)
     sub_m: int = 16  # rows of a tile-shrink program
-    row_adapters: torch.Tensor | None = None  # tiles: int32 [R], each live tile's rows' adapter (-1 none)
-    row_ranks: torch.Tensor | None = None  # tiles: int32 [R], their ranks (0 none), both by the W13 shrink
+    # tiles, the Gluon GEMMs' packing of each live tile's adapters (written by the W13 shrink):
+    row_first_units: torch.Tensor | None = None  # int32 [R], each row's adapter's first unit of 8 ranks (0 none)
+    row_ranks: torch.Tensor | None = None  # int32 [R], each row's rank (0 without an adapter)
+    tile_units: torch.Tensor | None = None  # int32 [R / tile], the tile's units in all
+    unit_map: torch.Tensor | None = None  # int32 [R / tile, units_max], each unit's adapter << 16 | adapter's first
     shrink_meta: dict | None = None
 
     def _common(self) -> dict:
@@ -747,18 +781,22 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     r_pad, tile = own_rank_pad(bank), segments.tile
     reach = segments.row_to_slot.numel()
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
-    row_adapters, row_ranks = torch.empty((2, reach), dtype=torch.int32, device=x.device)
+    tiles, adapter_units = reach // tile, cdiv(bank.max_rank, 8)
+    units_max = cdiv(min(bank.max_loras, tile) * adapter_units, 16) * 16  # whole steps of 8 units (and Triton's hint)
+    packing = torch.empty(2 * reach + tiles * (1 + units_max), dtype=torch.int32, device=x.device)
     lora = AdapterLoopLoRA(
         bank, lora_ids, expert_weights, segments, top_k, num_local_experts, False, bank.rank_table(),
         s13=scratch((reach, 2, r_pad), x.dtype, x.device), s2=scratch((reach, r_pad), x.dtype, x.device),
-        sub_m=sub_m, row_adapters=row_adapters, row_ranks=row_ranks,
+        sub_m=sub_m, row_first_units=packing[:reach], row_ranks=packing[reach:2 * reach],
+        tile_units=packing[2 * reach:2 * reach + tiles], unit_map=packing[2 * reach + tiles:].view(tiles, units_max),
         shrink_meta=dict(**dot_flags(x.dtype), R_PAD=r_pad, SUB_M=sub_m, TILE=tile,
                          BLOCK_K=_shrink_block_k(sub_m, r_pad, x.element_size()),
                          num_warps=8 if sub_m * r_pad > 64 * 64 else 4, **pdl))
     if segments.block_group.numel():
         _own_shrink_kernel[(segments.block_group.numel() * (tile // sub_m),)](
             in_ptr=x, a0_ptr=bank.up_a, a1_ptr=bank.gate_a, out_ptr=lora.s13, **_own_shrink_rows(lora),
-            D=x.shape[1], stride_in=x.stride(0), GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_ROWS=True,
+            D=x.shape[1], stride_in=x.stride(0), GATHER=True, NUM_SLICES=2, WEIGHTED=False, WRITE_PACKING=True,
+            ADAPTER_UNITS=next_pow2(adapter_units),
             **lora.shrink_meta)
     return lora
 
@@ -775,5 +813,6 @@ def adapter_loop_shrink_w2(act: torch.Tensor, lora: AdapterLoopLoRA) -> None:
 def _own_shrink_rows(lora: AdapterLoopLoRA) -> dict:
     return dict(row_to_slot_ptr=lora.segments.row_to_slot, block_group_ptr=lora.segments.block_group,
                 lora_ids_ptr=lora.lora_ids, weights_ptr=lora.expert_weights, ranks_ptr=lora.ranks, top_k=lora.top_k,
-                row_adapters_ptr=lora.row_adapters, row_ranks_ptr=lora.row_ranks,
+                row_first_ptr=lora.row_first_units, row_ranks_ptr=lora.row_ranks, tile_units_ptr=lora.tile_units,
+                unit_map_ptr=lora.unit_map, units_max=lora.unit_map.shape[1],
                 **_bank_sizes(lora.bank, lora.num_local_experts))

@@ -204,52 +204,31 @@ if gluon is not None:
         return out
 
     @gluon.jit
-    def _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, row0, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-        """The adapter loop's view of the tile's rows row0..row0 + BLOCK_M (``fused_lora.py``, "the adapter loop"), in
-        ``layout`` (a slice of rows): each row's adapter (-1: none, or a padding row) and its rank (0 without one),
-        as the W13 shrink wrote them. Loaded at the tile's start, first used after its K loop: no wait shows."""
+    def _tile_rows_lora(row_first_ptr, row_ranks_ptr, row0, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """The adapter loop's packing of the tile's rows row0..row0 + BLOCK_M (``fused_lora._write_tile_packing``: the
+        tile's adapters side by side in its LoRA K steps, in adapter order, ceil(rank / 8) units of 8 ranks each), in
+        ``layout`` (a slice of rows): each row's adapter's first unit (0 without one) and its rank (0 without one), as
+        the W13 shrink wrote them. Loaded at the tile's start, first used after its K loop: no wait shows."""
         rows = row0 + gl.arange(0, BLOCK_M, layout=layout)
-        return gl.load(row_adapters_ptr + rows), gl.load(row_ranks_ptr + rows)
+        return gl.load(row_first_ptr + rows), gl.load(row_ranks_ptr + rows)
 
     @gluon.jit
-    def _adapter_range(adapters, num_loras):
-        """The lowest and the highest adapter among a tile's rows (``num_loras`` and -1 when none)."""
-        return gl.min(gl.where(adapters >= 0, adapters, num_loras), axis=0), gl.max(adapters, axis=0)
-
-    @gluon.jit
-    def _packed_units(adapters, row_ranks, lo, hi):
-        """A tile's adapters packed side by side in its LoRA K steps, in adapter order, each ceil(rank / 8) units of 8
-        rank columns (16 bytes): each row's adapter's first unit (0 without one) and the units in all."""
-        first_unit = gl.zeros_like(adapters)
-        units = 0
-        for adapter in range(lo, hi + 1):
-            mine = adapters == adapter
-            first_unit = gl.where(mine, units, first_unit)
-            units += gl.cdiv(gl.max(gl.where(mine, row_ranks, 0), axis=0), 8)
-        return first_unit, units
-
-    @gluon.jit
-    def _lora_steps(adapters, row_ranks, lo, hi, BLOCK_K: gl.constexpr):
-        """The adapter-loop K steps of a tile: its packed ranks (:func:`_packed_units`) over BLOCK_K, rounded up."""
-        _, units = _packed_units(adapters, row_ranks, lo, hi)
-        return gl.cdiv(units * 8, BLOCK_K)
-
-    @gluon.jit
-    def _packed_columns(adapters, row_ranks, lo, hi, step, BLOCK_K: gl.constexpr, layout: gl.constexpr):
-        """Whose ranks the columns of packed K step ``step`` hold (:func:`_packed_units`), int32 [BLOCK_K] in
-        ``layout`` (a slice of columns): each column's 8-column unit, the adapter (-1 past the packed ranks) and
-        that adapter's first unit."""
+    def _unit_map_step(unit_map_ptr, tile, units_max, step, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+        """The unit-map entries (``adapter << 16 | the adapter's first unit``) of packed K step ``step`` of tile
+        ``tile``, one a column, int32 [BLOCK_K] in ``layout`` (a slice of columns); past the tile's units they hold
+        whatever the map holds there (:func:`_packed_columns` masks them). Masked by ``units_max`` (a multiple of 8)
+        alone, so the load waits for no other: the next step's is issued before this step's copies."""
         unit = step * (BLOCK_K // 8) + gl.arange(0, BLOCK_K, layout=layout) // 8
-        col_adapter = gl.full([BLOCK_K], -1, gl.int32, layout)
-        col_first = gl.zeros([BLOCK_K], gl.int32, layout)
-        first = 0
-        for adapter in range(lo, hi + 1):
-            units = gl.cdiv(gl.max(gl.where(adapters == adapter, row_ranks, 0), axis=0), 8)
-            inside = (unit >= first) & (unit < first + units)
-            col_adapter = gl.where(inside, adapter, col_adapter)
-            col_first = gl.where(inside, first, col_first)
-            first += units
-        return unit, col_adapter, col_first
+        return gl.load(unit_map_ptr + tile.to(gl.int64) * units_max + unit, mask=unit < units_max, other=0)
+
+    @gluon.jit
+    def _packed_columns(entries, units, step, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+        """Whose ranks the columns of packed K step ``step`` of a tile of ``units`` hold, from their unit-map
+        ``entries`` (:func:`_unit_map_step`), int32 [BLOCK_K] in ``layout``: each column's unit, its adapter (-1 past
+        the tile's units) and that adapter's first unit."""
+        unit = step * (BLOCK_K // 8) + gl.arange(0, BLOCK_K, layout=layout) // 8
+        packed = unit < units
+        return unit, gl.where(packed, entries >> 16, -1), gl.where(packed, entries & 0xFFFF, 0)
 
     @gluon.jit
     def _copy_packed_operands(a_bufs, b_bufs, slot, s_ptr, row0, ROW_WIDTH: gl.constexpr, row_ranks, first_unit,
@@ -333,8 +312,8 @@ if gluon is not None:
     @gluon.jit
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
                               num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts,
-                              num_loras, row_adapters_ptr, row_ranks_ptr, GROUP_M: gl.constexpr,
-                              LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                              num_loras, row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max,
+                              GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
                               COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -345,9 +324,12 @@ if gluon is not None:
         for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
-                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
-                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
-                                                          gl.SliceLayout(1, _gather_layout(BLOCK_K)))
+                if LORA_OWN:  # the tile's packing, loaded here, waited for after the K loop
+                    first_unit, row_ranks = _tile_rows_lora(row_first_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
+                                                            gl.SliceLayout(1, _gather_layout(BLOCK_K)))
+                    units = gl.load(tile_units_ptr + pid_m)
+                    entries = _unit_map_step(unit_map_ptr, pid_m, units_max, 0, BLOCK_K,
+                                             gl.SliceLayout(0, _gather_layout(BLOCK_K)))
                 w_row = expert * H + pid_n * BLOCK_N
                 for k in range(k_steps):
                     slot = it % STAGES
@@ -364,11 +346,11 @@ if gluon is not None:
                     it += 1
                 if LORA_OWN:  # the adapter loop: the tile's adapters packed side by side, BLOCK_K ranks a K step,
                     # each row's weighted W2 rank vector and each column's B_down
-                    lo, hi = _adapter_range(adapters, num_loras)
-                    first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
                     for c in range(gl.cdiv(units * 8, BLOCK_K)):
-                        unit, col_adapter, col_first = _packed_columns(adapters, row_ranks, lo, hi, c, BLOCK_K,
+                        unit, col_adapter, col_first = _packed_columns(entries, units, c, BLOCK_K,
                                                                        gl.SliceLayout(0, _gather_layout(BLOCK_K)))
+                        entries = _unit_map_step(unit_map_ptr, pid_m, units_max, c + 1, BLOCK_K,
+                                                 gl.SliceLayout(0, _gather_layout(BLOCK_K)))
                         slot = it % STAGES
                         mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
                         _copy_packed_operands(a_bufs, w_bufs, slot, s2_ptr, pid_m * BLOCK_M, R_PAD, row_ranks,
@@ -393,10 +375,10 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
-                             num_m, num_n, k_steps, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras,
-                             bias_ptr, row_to_slot_ptr, H, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                             LORA: gl.constexpr, MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             num_m, num_n, k_steps, tile_flags_ptr, tile_units_ptr, bias_ptr, row_to_slot_ptr, H,
+                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                             NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -407,9 +389,8 @@ if gluon is not None:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             acc = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
-                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
-                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
-                                                          gl.SliceLayout(1, acc_layout))
+                if LORA_OWN:  # the tile's packed units, loaded here, waited for after the K loop
+                    units = gl.load(tile_units_ptr + pid_m)
                 for k in range(k_steps):
                     slot = it % STAGES
                     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -423,8 +404,7 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _free_previous_slot(empty, it)
                 if LORA_OWN:  # W2 LoRA: acc += s_down @ B_down, the tile's packed ranks, BLOCK_K a K step
-                    lo, hi = _adapter_range(adapters, num_loras)
-                    for _ in range(_lora_steps(adapters, row_ranks, lo, hi, BLOCK_K)):
+                    for _ in range(gl.cdiv(units * 8, BLOCK_K)):
                         acc, it = _lora_mma_step(a_bufs, w_bufs, ready, empty, it, acc)
                 elif LORA:  # W2 LoRA: acc += s_down @ B_down, the stacked rank vectors as one more K step
                     if gl.load(tile_flags_ptr + pid_m) != 0:
@@ -440,10 +420,11 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
-                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_adapters_ptr,
-                         row_ranks_ptr, bias_ptr, row_to_slot_ptr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                         DEAD_FILL: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
-                         COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_first_ptr,
+                         row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, bias_ptr, row_to_slot_ptr,
+                         STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                         MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr,
+                         HAS_BIAS: gl.constexpr,
                          num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -463,20 +444,21 @@ if gluon is not None:
         k_steps = gl.cdiv(I, BLOCK_K)
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
-                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, row_adapters_ptr,
-                                    row_ranks_ptr, num_loras, bias_ptr, row_to_slot_ptr, H, GROUP_M, DEAD_FILL,
-                                    LORA, MAX_RANK, LORA_OWN, HAS_BIAS, num_warps)),
+                                    num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, tile_units_ptr,
+                                    bias_ptr, row_to_slot_ptr, H, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN,
+                                    HAS_BIAS, num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
                                      num_live_blocks, num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr,
-                                     num_local_experts, num_loras, row_adapters_ptr, row_ranks_ptr,
-                                     GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
+                                     num_local_experts, num_loras, row_first_ptr, row_ranks_ptr, tile_units_ptr,
+                                     unit_map_ptr, units_max, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
     @gluon.jit
     def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
                               block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, s13_ptr, tile_flags_ptr,
-                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_adapters_ptr, row_ranks_ptr,
-                              GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
+                              up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_first_ptr, row_ranks_ptr,
+                              tile_units_ptr, unit_map_ptr, units_max, GROUP_M: gl.constexpr, LORA: gl.constexpr,
+                              MAX_RANK: gl.constexpr,
                               R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -490,9 +472,11 @@ if gluon is not None:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
-                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
-                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
-                                                          gl.SliceLayout(1, gather))
+                if LORA_OWN:  # the tile's packing, loaded here, waited for after the K loop
+                    first_unit, row_ranks = _tile_rows_lora(row_first_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
+                                                            gl.SliceLayout(1, gather))
+                    units = gl.load(tile_units_ptr + pid_m)
+                    entries = _unit_map_step(unit_map_ptr, pid_m, units_max, 0, BLOCK_K, gl.SliceLayout(0, gather))
                 row_ok = slots >= 0
                 x_rows = x_ptr + gl.where(row_ok, slots // top_k, 0).to(gl.int64)[:, None] * stride_x
                 gate_row = expert * (2 * I) + pid_n * BLOCK_N
@@ -511,11 +495,11 @@ if gluon is not None:
                     it += 1
                 if LORA_OWN:  # the adapter loop: the tile's adapters packed side by side, two K steps a BLOCK_K
                     # ranks, the gate's rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
-                    lo, hi = _adapter_range(adapters, num_loras)
-                    first_unit, units = _packed_units(adapters, row_ranks, lo, hi)
                     for c in range(gl.cdiv(units * 8, BLOCK_K)):
-                        unit, col_adapter, col_first = _packed_columns(adapters, row_ranks, lo, hi, c, BLOCK_K,
+                        unit, col_adapter, col_first = _packed_columns(entries, units, c, BLOCK_K,
                                                                        gl.SliceLayout(0, gather))
+                        entries = _unit_map_step(unit_map_ptr, pid_m, units_max, c + 1, BLOCK_K,
+                                                 gl.SliceLayout(0, gather))
                         for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
                             slot = it % STAGES
                             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -575,11 +559,11 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
-                             tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, bias_ptr,
-                             HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                             LORA: gl.constexpr, MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr,
-                             SWIGLU_LIMIT: gl.constexpr, NUM_WARPS: gl.constexpr):
+                             tile_flags_ptr, tile_units_ptr, bias_ptr, HAS_DELTA: gl.constexpr,
+                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                             ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr,
+                             NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -593,9 +577,8 @@ if gluon is not None:
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
                 row_ok = slots >= 0
-                if LORA_OWN:  # the tile's adapters and ranks, loaded here, waited for after the K loop
-                    adapters, row_ranks = _tile_rows_lora(row_adapters_ptr, row_ranks_ptr, pid_m * BLOCK_M, BLOCK_M,
-                                                          gl.SliceLayout(1, acc_layout))
+                if LORA_OWN:  # the tile's packed units, loaded here, waited for after the K loop
+                    units = gl.load(tile_units_ptr + pid_m)
                 acc_gate = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 for k in range(k_steps):
@@ -613,8 +596,7 @@ if gluon is not None:
                 acc_gate, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc_gate, acc_up))
                 _free_previous_slot(empty, it)
                 if LORA_OWN:  # W13 LoRA before the activation, the tile's packed ranks: two K steps a BLOCK_K
-                    lo, hi = _adapter_range(adapters, num_loras)
-                    for _ in range(_lora_steps(adapters, row_ranks, lo, hi, BLOCK_K)):
+                    for _ in range(gl.cdiv(units * 8, BLOCK_K)):
                         acc_gate, acc_up, it = _lora_mma_gate_up(a_bufs, g_bufs, u_bufs, ready, empty, it,
                                                                  acc_gate, acc_up)
                 elif LORA:  # W13 LoRA before the activation: acc += s @ B, gate then up, as two more K steps
@@ -643,13 +625,13 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
                                 num_live_blocks, num_rows, H, I, delta_ptr, stride_d, s13_ptr, tile_flags_ptr,
-                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_adapters_ptr,
-                                row_ranks_ptr, bias_ptr, HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr,
-                                STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
-                                LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
-                                COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_first_ptr,
+                                row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, bias_ptr,
+                                HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
+                                MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
+                                LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+                                SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
@@ -668,14 +650,14 @@ if gluon is not None:
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                                     block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
-                                    stride_d, tile_flags_ptr, row_adapters_ptr, row_ranks_ptr, num_loras, bias_ptr,
-                                    HAS_DELTA, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN, HAS_BIAS, ACTIVATION,
-                                    SWIGLU_ALPHA, SWIGLU_LIMIT, num_warps)),
+                                    stride_d, tile_flags_ptr, tile_units_ptr, bias_ptr, HAS_DELTA, GROUP_M,
+                                    DEAD_FILL, LORA, MAX_RANK, LORA_OWN, HAS_BIAS, ACTIVATION, SWIGLU_ALPHA,
+                                    SWIGLU_LIMIT, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
                                      s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
-                                     row_adapters_ptr, row_ranks_ptr, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS,
-                                     LORA_OWN)),
+                                     row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, GROUP_M,
+                                     LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
         ], [4], [120 if LORA_OWN else 88])  # the adapter loop's copies spill at 88 registers
 
 
@@ -707,8 +689,8 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
         operands = (lora.s13_by_row, lora.s2_by_row)
         if l_pad * r_pad > GEMM1_WS_TILE[1]:
             return False
-    elif isinstance(lora, AdapterLoopLoRA) and lora.row_adapters is not None:  # tiles: rows' adapters and ranks
-        operands = (lora.s13, lora.s2, lora.row_adapters, lora.row_ranks)
+    elif isinstance(lora, AdapterLoopLoRA) and lora.row_first_units is not None:  # tiles: the tiles' packing
+        operands = (lora.s13, lora.s2)
     else:
         return False
     bank = lora.bank
@@ -720,7 +702,8 @@ def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.T
     """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or the
     adapter loop's own rank vectors, adapters and ranks by row and B banks (LORA_OWN), or ``like`` in their place
     (never read: LORA False)."""
-    unused = dict.fromkeys(("tile_flags_ptr", "row_adapters_ptr", "row_ranks_ptr"), like)
+    unused = dict.fromkeys(("tile_flags_ptr", "row_first_ptr", "row_ranks_ptr", "tile_units_ptr", "unit_map_ptr"),
+                           like) | dict(units_max=8)
     if lora is None:
         banks = ("s13_ptr", "up_b_ptr", "gate_b_ptr") if gemm == 1 else ("s2_ptr", "down_b_ptr")
         return unused | dict.fromkeys(banks, like) | dict(
@@ -731,7 +714,8 @@ def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.T
         r_pad = own_rank_pad(bank)
         columns = 8
         s13, s2 = lora.s13, lora.s2
-        unused |= dict(row_adapters_ptr=lora.row_adapters, row_ranks_ptr=lora.row_ranks)
+        unused |= dict(row_first_ptr=lora.row_first_units, row_ranks_ptr=lora.row_ranks,
+                       tile_units_ptr=lora.tile_units, unit_map_ptr=lora.unit_map, units_max=lora.unit_map.shape[1])
     else:
         l_pad, r_pad = bank.stacked_pads
         columns = l_pad * r_pad
@@ -887,13 +871,13 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     l_pad, r_pad, max_rank = lora or (1, 8, 8)
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
     bank = dict(s13_ptr="*bf16", s2_ptr="*bf16", tile_flags_ptr="*i32", up_b_ptr="*bf16", gate_b_ptr="*bf16",
-                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", row_adapters_ptr="*i32",
-                row_ranks_ptr="*i32", bias_ptr="*bf16")
+                down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", row_first_ptr="*i32",
+                row_ranks_ptr="*i32", tile_units_ptr="*i32", unit_map_ptr="*i32", units_max="i32", bias_ptr="*bf16")
     constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
                       COLUMNS=8 if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
                       HAS_BIAS=bias, num_warps=8)
     hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr",
-              "row_adapters_ptr", "row_ranks_ptr", "bias_ptr")
+              "row_first_ptr", "row_ranks_ptr", "tile_units_ptr", "unit_map_ptr", "units_max", "bias_ptr")
     if gemm == "gemm1":
         kernel = _gemm1_swiglu_ws_kernel
         hinted += ("x_ptr", "stride_x", "row_to_slot_ptr", "delta_ptr", "stride_d", "I")
