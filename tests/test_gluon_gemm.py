@@ -83,7 +83,8 @@ def test_gluon_lora_gate_takes_the_tile_mode_of_narrow_banks():
 
 def test_gluon_lora_gate_takes_the_adapter_loop_of_any_width_in_tiles():
     """The Gluon GEMMs fold in the adapter loop's tile operands (prefill) of any bank width whose ranks fill 16-byte
-    rows; its decode operands (rank vectors by slot, the W2 shrink in GEMM1's epilogue) keep the Triton kernels."""
+    rows; its decode operands (rank vectors by slot, the W2 shrink in GEMM1's epilogue) keep the Triton kernels, and
+    so does a unit map too wide for its 16-bit fields."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
 
     def loop_lora(max_loras, max_rank, decode=False):
@@ -103,6 +104,8 @@ def test_gluon_lora_gate_takes_the_adapter_loop_of_any_width_in_tiles():
     assert gluon_gemm.takes_gluon_lora(loop_lora(8, 64)) and gluon_gemm.takes_gluon_lora(loop_lora(32, 128))
     assert not gluon_gemm.takes_gluon_lora(loop_lora(8, 64, decode=True)), "decode: the Triton kernels"
     assert not gluon_gemm.takes_gluon_lora(loop_lora(8, 12)), "rank rows of 24 bytes: no 16-byte copies"
+    wide_map = dataclasses.replace(loop_lora(8, 64), unit_map=torch.zeros(1, 2**16, dtype=torch.int32, device=dev))
+    assert not gluon_gemm.takes_gluon_lora(wide_map), "first units past the unit map's 16 bits"
 
 
 def test_gluon_epilogues_compile_for_sm90(monkeypatch):

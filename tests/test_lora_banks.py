@@ -108,20 +108,25 @@ def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device
         assert torch.equal(lora.s2[rank8][:, 8:], torch.zeros_like(lora.s2[rank8][:, 8:]))
 
 
-@pytest.mark.parametrize("mode", ["tiles", "sorted"])
-def test_the_tile_shrink_writes_each_tiles_packing(mode, monkeypatch, device):
+@pytest.mark.parametrize("mode,wide", [("tiles", False), ("sorted", False), ("sorted", True)])
+def test_the_tile_shrink_writes_each_tiles_packing(mode, wide, monkeypatch, device):
     """The W13 tile shrink also writes how the Gluon GEMMs pack each live tile's adapters side by side in their LoRA
     K steps (adapter order, ceil(rank / 8) units of 8 ranks each): each row's rank (0 without an adapter) and its
     adapter's first unit, the tile's units in all and each unit's ``adapter << 16 | first unit``. Checked tile by
     tile against a model built from the segments, the tokens' adapters and the bank's ranks (the buffers start at a
-    value no entry can hold)."""
+    value no entry can hold). ``wide``: max_rank 136 (17 units an adapter) and an empty slot between adapters."""
     kept = []
     original = fused_lora.adapter_loop_shrink_w13
     monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
                         lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
-    experts, (x, w, ids, lora_ids), _ = _run(mode, monkeypatch, device, dtype=torch.float32)
+    ranks, max_rank = ((136, 8, 40, 3), 136) if wide else ((64, 8, 32, 16, 3), 64)
+    experts, (x, w, ids, lora_ids), _ = _run(mode, monkeypatch, device, dtype=torch.float32, ranks=ranks,
+                                             max_rank=max_rank)
+    if wide:  # slot 1 emptied: no token names it, tiles hold slots 0 and 2 around it
+        experts.lora.reset(1)
+        lora_ids[lora_ids == 1] = -1
     experts(x, w, ids, lora_ids)
     (lora,) = kept
     seg = lora.segments

@@ -293,8 +293,8 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 # Inside the Gluon GEMMs (``gluon_gemm.py``, sm_90, 128-row tiles; since 2026-12-06) the epilogue waits no more: a
 # tile's adapters sit side by side in a few more K steps through the GEMMs' rings, 8 ranks a unit (each row's rank
 # vector where its adapter's units fall, zeros elsewhere, and each column's B from its adapter, copied by the load
-# partition while the tensor cores run the previous steps; each row's adapter and rank written by the W13 shrink and
-# read at the tile's start), so the module takes it from ``triton_backend.GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows
+# partition while the tensor cores run the previous steps; the tile's packing written by the W13 shrink and read at
+# the tile's start), so the module takes it from ``triton_backend.GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows
 # per (expert, slot) on. What it costs there (H100, 8 adapters at Qwen3 T = 16384: ~2960-3020 µs on a ~2180-2210 µs
 # base, 0aa01c8): the shrinks (~440 µs, ~1.3x their bytes' time), GEMM2's K steps (+~130) and GEMM1's (+~150).
 
@@ -783,12 +783,14 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
     tiles, adapter_units = reach // tile, cdiv(bank.max_rank, 8)
     units_max = cdiv(min(bank.max_loras, tile) * adapter_units, 16) * 16  # whole steps of 8 units (and Triton's hint)
-    packing = torch.empty(2 * reach + tiles * (1 + units_max), dtype=torch.int32, device=x.device)
+    tiles_pad = cdiv(tiles, 4) * 4  # the unit map 16-byte aligned
+    packing = torch.empty(2 * reach + tiles_pad + tiles * units_max, dtype=torch.int32, device=x.device)
     lora = AdapterLoopLoRA(
         bank, lora_ids, expert_weights, segments, top_k, num_local_experts, False, bank.rank_table(),
         s13=scratch((reach, 2, r_pad), x.dtype, x.device), s2=scratch((reach, r_pad), x.dtype, x.device),
         sub_m=sub_m, row_first_units=packing[:reach], row_ranks=packing[reach:2 * reach],
-        tile_units=packing[2 * reach:2 * reach + tiles], unit_map=packing[2 * reach + tiles:].view(tiles, units_max),
+        tile_units=packing[2 * reach:2 * reach + tiles],
+        unit_map=packing[2 * reach + tiles_pad:].view(tiles, units_max),
         shrink_meta=dict(**dot_flags(x.dtype), R_PAD=r_pad, SUB_M=sub_m, TILE=tile,
                          BLOCK_K=_shrink_block_k(sub_m, r_pad, x.element_size()),
                          num_warps=8 if sub_m * r_pad > 64 * 64 else 4, **pdl))

@@ -431,8 +431,9 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         gl.static_assert(STAGES >= 2, "GEMM2's ring needs 2 stages: the MMAs free a stage one step behind")
         gl.static_assert(COLUMNS <= BLOCK_K, "the stacked LoRA columns are one K step")
-        # the LoRA step's copies take four load warps; TMA alone, one; the adapter loop's (a loop over the tile's
-        # adapters) spill at 88 registers
+        # the LoRA step's copies take four load warps; TMA alone, one; the adapter loop's took 120 registers while
+        # it looped over the tile's adapters (88 spilled), and 88 no longer spill since its packing comes from the
+        # shrink (not timed, so kept)
         LOAD_WARPS: gl.constexpr = 4 if LORA else 1
         LOAD_REGS: gl.constexpr = (120 if LORA_OWN else 88) if LORA else 40
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -690,6 +691,8 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
         if l_pad * r_pad > GEMM1_WS_TILE[1]:
             return False
     elif isinstance(lora, AdapterLoopLoRA) and lora.row_first_units is not None:  # tiles: the tiles' packing
+        if lora.bank.max_loras >= 2**15 or lora.unit_map.shape[1] >= 2**16:  # the unit map's 16-bit fields
+            return False
         operands = (lora.s13, lora.s2)
     else:
         return False
@@ -700,8 +703,8 @@ def takes_gluon_lora(lora: TileLoRA | AdapterLoopLoRA) -> bool:
 
 def _lora_args(lora: TileLoRA | AdapterLoopLoRA | None, gemm: int, like: torch.Tensor) -> dict:
     """GEMM ``gemm``'s (1 or 2) LoRA arguments: the tile mode's rank vectors by row, tile flags and B banks, or the
-    adapter loop's own rank vectors, adapters and ranks by row and B banks (LORA_OWN), or ``like`` in their place
-    (never read: LORA False)."""
+    adapter loop's own rank vectors, its tiles' packing and B banks (LORA_OWN), or ``like`` in their place (never
+    read: LORA False)."""
     unused = dict.fromkeys(("tile_flags_ptr", "row_first_ptr", "row_ranks_ptr", "tile_units_ptr", "unit_map_ptr"),
                            like) | dict(units_max=8)
     if lora is None:
