@@ -20,8 +20,9 @@ output tiles (row tile by row tile, or ``GROUP_M`` row tiles down each column bl
   W2 blocks through TMA; GEMM1's four warps gather the tile's input rows ``x[t]`` with 16-byte ``cp.async`` copies
   (TMA cannot gather on Hopper) and copy the gate and up blocks through TMA; a LoRA step's rank vectors and
   stacked B come by ``cp.async`` (GEMM2's load partition has four warps then). One ``ready`` mbarrier a slot (the
-  TMA's byte count, and in GEMM1 the gathered rows' arrival, complete it), one ``empty`` mbarrier a slot (the MMA
-  partition frees it);
+  TMA's byte count completes it; in GEMM1 also each load thread's arrival once its copies have landed, which the
+  hardware makes without the thread waiting, and in GEMM2 the LoRA steps' one), one ``empty`` mbarrier a slot (the
+  MMA partition frees it);
 - the **MMA partition** (the kernel's ``num_warps`` = 8: two warpgroups, 64 rows each) waits for each slot, runs
   ``wgmma`` into fp32 accumulators with one step in flight, frees the slot behind it, and after a tile's last K step
   (GEMM1: adds its bias and the delta, applies the activation; GEMM2: adds its bias) rounds the tile into shared
@@ -151,11 +152,18 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _wait_ready(ready, it):
+        """Wait for K step ``it``'s slot, then order the ``cp.async`` writes that filled it (generic proxy, each load
+        thread's arrival on ``ready`` once its copies landed) before this thread's wgmma reads (async proxy)."""
+        mbarrier.wait(ready.index(it % ready.shape[0]), (it // ready.shape[0]) & 1)
+        fence_async_shared()
+
+    @gluon.jit
     def _lora_mma(a_bufs, b_bufs, ready, it, acc):
         """Once K step ``it``'s slot is ready, start acc += rank vectors @ stacked B^T on it (async)."""
         STAGES: gl.constexpr = a_bufs.shape[0]
         slot = it % STAGES
-        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        _wait_ready(ready, it)
         return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
@@ -485,14 +493,13 @@ if gluon is not None:
                     slot = it % STAGES
                     mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
                     bar = ready.index(slot)
-                    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)  # the TMA's share of the slot's 2 arrivals
+                    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)  # the TMA's arrival, with its bytes
                     _tma_load(w_desc, [gate_row, k * BLOCK_K], bar, g_bufs.index(slot))
                     _tma_load(w_desc, [gate_row + I, k * BLOCK_K], bar, u_bufs.index(slot))
                     # H is a multiple of BLOCK_K (takes_gluon_gemm1): the rows' mask alone, 16-byte copies
                     _cp_async(a_bufs.index(slot), x_rows + (k * BLOCK_K + ks)[None, :], mask=row_ok[:, None])
-                    async_copy.commit_group()
-                    if it > 0:  # the previous step's rows have landed: hand them to the MMAs (its 2nd arrival)
-                        _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                    # each thread's arrival, once its row copies have landed (the MMAs fence before reading them)
+                    async_copy.mbarrier_arrive(bar, increment_count=False)
                     it += 1
                 if LORA_OWN:  # the adapter loop: the tile's adapters packed side by side, two K steps a BLOCK_K
                     # ranks, the gate's rank vectors and B_gate, then the up's (s13 [R, 2, R_PAD], [up | gate])
@@ -510,7 +517,7 @@ if gluon is not None:
                                                   first_unit, unit, col_adapter, col_first,
                                                   gate_b_ptr if half == 0 else up_b_ptr, expert, pid_n * BLOCK_N, I,
                                                   num_local_experts, MAX_RANK)
-                            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                             it += 1
                 elif LORA:  # two more K steps: the gate's stacked rank vectors and B, then the up's ([R, 2, COLUMNS]
                     if gl.load(tile_flags_ptr + pid_m) != 0:  # rows of s13, [up | gate])
@@ -522,10 +529,8 @@ if gluon is not None:
                                                 s13_ptr + (1 - half) * COLUMNS, pid_m * BLOCK_M, 2 * COLUMNS,
                                                 gate_b_ptr if half == 0 else up_b_ptr, expert, pid_n * BLOCK_N, I,
                                                 num_local_experts, num_loras, MAX_RANK, R_PAD, COLUMNS)
-                            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 1)
+                            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                             it += 1
-        if it > 0:
-            _rows_landed(ready.index((it + STAGES - 1) % STAGES), 0)
 
     @gluon.jit
     def _rows_landed(bar, OUTSTANDING: gl.constexpr):
@@ -584,7 +589,7 @@ if gluon is not None:
                 acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 for k in range(k_steps):
                     slot = it % STAGES
-                    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                    _wait_ready(ready, it)
                     a = a_bufs.index(slot)
                     acc_gate = warpgroup_mma(a, g_bufs.index(slot).permute((1, 0)), acc_gate, use_acc=k > 0,
                                              is_async=True)
@@ -636,7 +641,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
-        # the loads hand a step's rows over only after issuing the next step's: with 2 stages both sides would wait
+        # the MMAs keep one step in flight and free its slot a step later: 3 stages let the loads run a step ahead
         gl.static_assert(STAGES >= 3, "GEMM1's ring needs 3 stages")
         gl.static_assert(COLUMNS <= BLOCK_K, "the stacked LoRA columns are one K step")
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
@@ -644,7 +649,10 @@ if gluon is not None:
         g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         u_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
-        ready, empty = _stage_barriers(STAGES, 2)  # the weights' TMA bytes and the gathered rows
+        LOAD_WARPS: gl.constexpr = 4  # the row gathers' layout (_gather_layout) spans 4 warps
+        # a slot is ready on the TMA's arrival with its bytes (or a LoRA step's plain one) and each load thread's,
+        # once its row copies have landed (async_copy.mbarrier_arrive)
+        ready, empty = _stage_barriers(STAGES, 1 + LOAD_WARPS * 32)
         num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(I, BLOCK_N)
         k_steps = gl.cdiv(H, BLOCK_K)
@@ -659,7 +667,7 @@ if gluon is not None:
                                      s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
                                      row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, GROUP_M,
                                      LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
-        ], [4], [120 if LORA_OWN else 88])  # the adapter loop's copies spill at 88 registers
+        ], [LOAD_WARPS], [120 if LORA_OWN else 88])  # the adapter loop's copies spill at 88 registers
 
 
 @functools.cache
