@@ -201,7 +201,10 @@ if gluon is not None:
                           SWIGLU_LIMIT: gl.constexpr):
         """The gated activations the Gluon GEMM1 runs on its fp32 accumulators (``moelab.reference``'s): "silu"
         (SwiGLU) ``silu(gate) * up`` and GPT-OSS's "swigluoai" ``gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1)``;
-        with a SWIGLU_LIMIT, gate first clamped to <= the limit and up to [-limit, limit]."""
+        with a SWIGLU_LIMIT, gate first clamped to <= the limit and up to [-limit, limit]. The same arithmetic as
+        ``_common.expert_activation`` (the same PTX when called from here), kept in Gluon because on a machine
+        without a CUDA GPU moelab's Triton helpers are interpreted functions, which :func:`compile_sm90` cannot
+        inline into a Gluon kernel."""
         if SWIGLU_LIMIT is not None:
             gate = gl.minimum(gate, SWIGLU_LIMIT)
             up = gl.minimum(gl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
