@@ -126,8 +126,8 @@ ADAPTER_LOOP_MAX_ROWS_PER_EXPERT = 0.5
 #: bank from this many routed rows per (local expert, bank slot) on: T*K / (E_local * max_loras). Its K steps compute
 #: all 128 rows of a tile for the tile's adapters, so they pay where each adapter fills a good part of a tile. H100,
 #: 2026-12-06, ``scripts/profile_lora_banks.py`` (GPU µs of the call's kernels, adapter loop / vLLM's flow in one
-#: run), banks of ranks 64/32/16/8, the packed steps of 0aa01c8: 8 rows a pair 1.39 (Qwen3-30B-A3B T = 4096, 32
-#: adapters), 32 rows 0.98 (T = 4096 with 8) and 0.98 (T = 16384 with 32), 128 rows 0.83 (T = 16384 with 8); before
+#: run), banks of ranks 64/32/16/8, the tiles' packing of 9013e62: 8 rows a pair 1.19 (Qwen3-30B-A3B T = 4096, 32
+#: adapters), 32 rows 0.93 (T = 4096 with 8) and 0.91 (T = 16384 with 32), 128 rows 0.80 (T = 16384 with 8); before
 #: the packed steps (fc8ff7d) also 16 rows 1.20 (OLMoE T = 4096, 32), 64 rows 0.91 (OLMoE), 256 rows 0.84. 32 is
 #: the lowest measured point where the loop wins; 9-31 rows were not measured on the packed steps.
 #: It counts the bank's slots (``max_loras``), known on the host, not the adapters a batch uses (that would take a
