@@ -296,8 +296,8 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 # partition while the tensor cores run the previous steps; the tile's packing written by the W13 shrink and read at
 # the tile's start), so the module takes it from ``triton_backend.GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR`` rows
 # per (expert, slot) on. What it costs there (H100, 8 adapters at Qwen3 T = 16384: ~2830-2850 µs on a ~2130-2160 µs
-# base, 9013e62): the shrinks (~430 µs; the W13 one reads ~1.3x its inputs' bytes), GEMM2's K steps (+~100) and
-# GEMM1's (+~110).
+# base, 9013e62): the shrinks (~430 µs; at T = 4096 the W13 one read 1.27x its inputs' bytes), GEMM2's K steps
+# (+~100) and GEMM1's (+~110).
 
 
 @jit
