@@ -514,7 +514,7 @@ if gluon is not None:
                         for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
                             slot = it % STAGES
                             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                            mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
+                            mbarrier.arrive(ready.index(slot))  # no TMA bytes: the elected arrival now
                             _copy_packed_operands(a_bufs, g_bufs if half == 0 else u_bufs, slot,
                                                   s13_ptr + (1 - half) * R_PAD, pid_m * BLOCK_M, 2 * R_PAD, row_ranks,
                                                   first_unit, unit, col_adapter, col_first,
@@ -527,7 +527,7 @@ if gluon is not None:
                         for half in gl.static_range(2):  # gate (s13 column block 1, B_gate), then up (0, B_up)
                             slot = it % STAGES
                             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                            mbarrier.arrive(ready.index(slot))  # no TMA bytes: the 1st arrival now
+                            mbarrier.arrive(ready.index(slot))  # no TMA bytes: the elected arrival now
                             _copy_lora_operands(a_bufs, g_bufs if half == 0 else u_bufs, slot,
                                                 s13_ptr + (1 - half) * COLUMNS, pid_m * BLOCK_M, 2 * COLUMNS,
                                                 gate_b_ptr if half == 0 else up_b_ptr, expert, pid_n * BLOCK_N, I,
