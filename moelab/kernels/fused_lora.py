@@ -484,7 +484,11 @@ def _own_shrink_kernel(
     out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * R_PAD) + r[None, :]
     if WEIGHTED:
         ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
-    for a in range(lo, hi + 1):
+    # an adapter cut by a sub-tile boundary is the last of one program's and the first of the next's: even programs
+    # walk their adapters down and odd ones up, so both read its A at about the same time (the second from L2)
+    down = pid % 2 == 0
+    for i in range(0, hi - lo + 1):
+        a = tl.where(down, hi - i, lo + i)
         mine = adapters == a
         rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
         if rank > 0:
