@@ -178,15 +178,21 @@ def test_rank_table_follows_set_reset_and_direct_assignment(monkeypatch, device)
 
 def test_adapter_sorted_segments_are_the_expert_segments_sorted_by_adapter(device):
     """Same tile-aligned expert segments as the base path's (same sizes, same tiles), each expert's rows holding its
-    slots ordered by (adapter, token); slot_to_row and row_to_slot inverse to each other."""
+    slots ordered by (adapter, token), tokens with no adapter (-1 or an id outside the bank) last; slot_to_row and
+    row_to_slot inverse to each other. Sizes on both sides of the one-program segments (1024 slots)."""
+    E, tile, offset, L = 4, 16, 2, 5
+    for T, K in ((37, 3), (1030, 2)):
+        _check_adapter_sorted_segments(T, K, E, tile, offset, L, device)
+
+
+def _check_adapter_sorted_segments(T, K, E, tile, offset, L, device):
     from moelab.kernels.segments import build_segments_triton
     from moelab.permutation import Segments
 
-    T, K, E, tile, offset = 37, 3, 4, 16, 2
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(T)
     ids = torch.rand(T, E + offset, generator=g).topk(K, dim=1).indices.to(torch.int32)  # some slots not local
-    lora_ids = torch.randint(-1, 5, (T,), generator=g)
-    seg = fused_lora.adapter_sorted_segments(ids.to(device), lora_ids.to(device), E, tile, offset, {})
+    lora_ids = torch.randint(-2, L + 2, (T,), generator=g)  # ids outside [0, L): no adapter
+    seg = fused_lora.adapter_sorted_segments(ids.to(device), lora_ids.to(device), L, E, tile, offset, {})
     base = build_segments_triton(ids.to(device), E, tile, offset=offset)
     seg, base = (Segments(v.slot_to_row.cpu(), v.row_to_slot.cpu(), v.block_group.cpu(), v.tile, v.num_groups)
                  for v in (seg, base))
@@ -200,7 +206,7 @@ def test_adapter_sorted_segments_are_the_expert_segments_sorted_by_adapter(devic
         slots = seg.row_to_slot[rows]
         slots = slots[slots >= 0].long()
         assert sorted(slots.tolist()) == sorted(base.row_to_slot[rows][base.row_to_slot[rows] >= 0].tolist())
-        key = [(int(lora_ids[s // K]), int(s)) for s in slots]
+        key = [(int(lora_ids[s // K]) if 0 <= lora_ids[s // K] < L else L, int(s)) for s in slots]
         assert key == sorted(key)
         assert (ids.flatten()[slots] - offset == e).all()
 

@@ -271,8 +271,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     elif lora is not None and lora.adapter_loop and fused_lora.sorts_by_adapter(
             T * K, E_local, lora.bank.max_loras,
             fused_lora.adapter_sub_m(T * K, E_local, cfg.block_m, lora.bank.max_loras)):
-        seg = fused_lora.adapter_sorted_segments(routing, lora.lora_ids, E_local, cfg.block_m, local_expert_offset,
-                                                 pdl)  # each expert's rows sorted by adapter: few adapters a tile
+        seg = fused_lora.adapter_sorted_segments(routing, lora.lora_ids, lora.bank.max_loras, E_local, cfg.block_m,
+                                                 local_expert_offset, pdl)  # each expert's rows by adapter
     else:
         seg = build_segments_triton(routing, E_local, cfg.block_m, offset=local_expert_offset, packed=packed, pdl=pdl)
     if lora is not None and lora_args is None:  # prefill: a W13 shrink launch before GEMM1, a W2 shrink after

@@ -278,7 +278,7 @@ def lora_expand(s, b, acc, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 #     adapters' B read, up to their own rank, in RANK_CHUNK steps; the tile's lowest adapter's operands are read
 #     before the K loop (at decode that is the only one). The expand dot of one adapter runs over the whole tile
 #     (rows of other adapters masked to zero), so its FLOPs grow with the adapters per tile: at T >= 1024 the
-#     rows inside each expert's segment are sorted by adapter first (a stable sort of the tokens by adapter
+#     rows inside each expert's segment are sorted by adapter first (a stable counting sort of the tokens by adapter
 #     before the segments are built: ~5 launches), so a 128-row tile at 16384 holds ~2 (8 adapters) or ~5 (32)
 #     adapters, not 8 or 32: +3-8 % of the GEMM FLOPs. The tile shrinks run on sub-tiles of those sorted rows
 #     (16-64 rows: about the rows of one (adapter, expert) pair), where one adapter's dot wastes little.
@@ -763,13 +763,17 @@ def adapter_sub_m(num_slots: int, num_local_experts: int, tile: int, num_loras: 
     return min(max(next_pow2(per_pair), 16), tile, 64)
 
 
-def adapter_sorted_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, num_local_experts: int, tile: int,
-                            local_expert_offset: int, pdl: dict) -> Segments:
+def adapter_sorted_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, num_loras: int, num_local_experts: int,
+                            tile: int, local_expert_offset: int, pdl: dict) -> Segments:
     """Segments by local expert (as ``build_segments_triton``) whose rows inside each expert follow the tokens
-    sorted by adapter (stable: token order inside an adapter; tokens without one first). ``topk_ids`` int [T, K],
-    ``lora_ids`` int [T]. A stable sort, a gather, the segments, one launch that maps the rows back to slots."""
+    sorted by adapter (stable: token order inside an adapter; tokens without one, or with an id outside the bank's
+    ``num_loras``, last). ``topk_ids`` int [T, K], ``lora_ids`` int [T]. The sort is a counting sort on the
+    segments kernels: one-row segments of the tokens grouped by adapter (their ``row_to_slot`` is the order; one
+    launch up to 1024 tokens, two above, against ``torch.sort``'s 21-31 µs of radix sort at T = 4096-16384 on the
+    H100), then a gather, the expert segments and one launch that maps the rows back to slots."""
     K = topk_ids.shape[1]
-    order = torch.sort(lora_ids, stable=True).indices  # int64 [T]
+    order = build_segments_triton(torch.zeros_like(lora_ids), num_loras + 1, 1, adapter_ids=lora_ids, num_experts=1,
+                                  pdl=pdl).row_to_slot  # int32 [T]: every token is in a group, the last = none
     seg = build_segments_triton(topk_ids[order], num_local_experts, tile, offset=local_expert_offset, pdl=pdl)
     slot_to_row, row_to_slot = torch.empty_like(seg.slot_to_row), torch.empty_like(seg.row_to_slot)
     n, rows = slot_to_row.numel(), row_to_slot.numel()
