@@ -60,7 +60,7 @@ def main() -> None:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         weights, ids = moelab.route(torch.randn(T, E, device=dev), K)
         lora_ids = torch.randint(0, a.adapters, (T,), device=dev, dtype=torch.int32)
-        seg = fused_lora.adapter_sorted_segments(ids.int(), lora_ids, E, TILE, 0, {})
+        seg = fused_lora.adapter_sorted_segments(ids.int(), lora_ids, a.adapters, E, TILE, 0, {})
         lora = fused_lora.adapter_loop_shrink_w13(x, bank, lora_ids, weights.float().contiguous(), seg, top_k=K,
                                                   num_local_experts=E, pdl={})
         act = torch.randn(seg.row_to_slot.numel(), I, device=dev, dtype=torch.bfloat16)
