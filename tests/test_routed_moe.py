@@ -434,6 +434,50 @@ def test_segments_by_adapter_reject_mismatched_sizes():
         build_segments_triton(ids, 2 * 4, 16, adapter_ids=torch.zeros(5, dtype=torch.int32), num_experts=4)
 
 
+@pytest.mark.parametrize(
+    "T, K, G, offset",
+    [
+        (7, 4, 16, 0),  # one program
+        (600, 4, 128, 2),  # several chunks (2400 slots), the EP window [2, 130)
+        (9, 2, 9000, 0),  # more groups than MAX_GROUPS: the torch construction
+    ],
+)
+def test_segments_in_token_order_follow_their_definition(T, K, G, offset, device):
+    """``token_order``: each group's rows hold its slots in the order of their tokens' places in the permutation
+    (then slot order), the slot ids written are the slots' own: the segments of the tokens' reordered ids, mapped
+    back slot by slot."""
+    from moelab.kernels.segments import build_segments_triton
+    from moelab.permutation import build_segments
+
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, G + offset + 3, (T, K), generator=g, dtype=torch.int32)  # some outside the window
+    order = torch.randperm(T, generator=g).to(torch.int32)
+    ref = build_segments(ids[order.long()].flatten().long() - offset, G, 16)  # over places in the order
+    place_slot = [int(order[i // K]) * K + i % K for i in range(T * K)]
+    want_slot_to_row = [0] * (T * K)
+    for place, slot in enumerate(place_slot):
+        want_slot_to_row[slot] = int(ref.slot_to_row[place])
+    want_row_to_slot = [place_slot[p] if p >= 0 else -1 for p in ref.row_to_slot.tolist()]
+    got = build_segments_triton(ids.to(device), G, 16, offset, token_order=order.to(device))
+    assert got.slot_to_row.dtype == got.row_to_slot.dtype == torch.int32
+    assert got.slot_to_row.cpu().tolist() == want_slot_to_row
+    assert got.row_to_slot.cpu().tolist() == want_row_to_slot
+    assert torch.equal(got.block_group.cpu(), ref.block_group)
+
+
+def test_segments_in_token_order_reject_bad_orders():
+    from moelab.kernels.segments import build_segments_triton
+
+    ids = torch.zeros(10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="token_order: expected an int32 permutation"):
+        build_segments_triton(ids, 4, 16, token_order=torch.arange(5))  # int64
+    with pytest.raises(ValueError, match="token_order: expected an int32 permutation"):
+        build_segments_triton(ids, 4, 16, token_order=torch.arange(3, dtype=torch.int32))  # 10 slots, 3 tokens
+    with pytest.raises(ValueError, match="without adapter_ids"):
+        build_segments_triton(ids, 9, 16, token_order=torch.arange(5, dtype=torch.int32),
+                              adapter_ids=torch.zeros(5, dtype=torch.int32), num_experts=4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_routing_weights(backend, device):
     # The caller's (ids, weights) may be a transposed view: the kernels must not assume its strides.

@@ -512,23 +512,6 @@ def _own_shrink_kernel(
                 tl.store(out + R_PAD, to_output(acc1, out_ptr.dtype.element_ty), mask=every)
 
 
-@jit
-def _sorted_rows_kernel(order_ptr, slot_to_row_in_ptr, row_to_slot_in_ptr, slot_to_row_ptr, row_to_slot_ptr,
-                        num_slots, num_rows, top_k, BLOCK: tl.constexpr):
-    """Segments built over the slots in ``order`` (tokens sorted by adapter) back to the slots' own ids: slot
-    ``q = order[i // K] * K + i % K`` is the i-th of that order, so ``slot_to_row[q] = slot_to_row_in[i]`` and
-    ``row_to_slot[row] = q`` where ``row_to_slot_in[row] = i`` (-1 stays -1)."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    i_ok = idx < num_slots
-    q = tl.load(order_ptr + idx // top_k, mask=i_ok, other=0).to(tl.int32) * top_k + idx % top_k
-    tl.store(slot_to_row_ptr + q, tl.load(slot_to_row_in_ptr + idx, mask=i_ok), mask=i_ok)
-    r_ok = idx < num_rows
-    i = tl.load(row_to_slot_in_ptr + idx, mask=r_ok, other=-1)
-    q = tl.load(order_ptr + tl.where(i >= 0, i, 0) // top_k, mask=r_ok & (i >= 0), other=0).to(tl.int32) * top_k \
-        + tl.where(i >= 0, i, 0) % top_k
-    tl.store(row_to_slot_ptr + idx, tl.where(i >= 0, q, -1), mask=r_ok)
-
-
 # ---------------------------------------------------------------------------------------------- launchers
 
 def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -770,17 +753,12 @@ def adapter_sorted_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, num_
     ``num_loras``, last). ``topk_ids`` int [T, K], ``lora_ids`` int [T]. The sort is a counting sort on the
     segments kernels: one-row segments of the tokens grouped by adapter (their ``row_to_slot`` is the order; one
     launch up to 1024 tokens, two above, against ``torch.sort``'s 21-31 µs of radix sort at T = 4096-16384 on the
-    H100), then a gather, the expert segments and one launch that maps the rows back to slots."""
-    K = topk_ids.shape[1]
+    H100), then the expert segments over the tokens in that order (``token_order``: the slot ids they write are
+    the slots' own)."""
     order = build_segments_triton(torch.zeros_like(lora_ids), num_loras + 1, 1, adapter_ids=lora_ids, num_experts=1,
                                   pdl=pdl).row_to_slot  # int32 [T]: every token is in a group, the last = none
-    seg = build_segments_triton(topk_ids[order], num_local_experts, tile, offset=local_expert_offset, pdl=pdl)
-    slot_to_row, row_to_slot = torch.empty_like(seg.slot_to_row), torch.empty_like(seg.row_to_slot)
-    n, rows = slot_to_row.numel(), row_to_slot.numel()
-    block = 1024
-    _sorted_rows_kernel[(max(cdiv(n, block), cdiv(rows, block)),)](
-        order, seg.slot_to_row, seg.row_to_slot, slot_to_row, row_to_slot, n, rows, K, BLOCK=block, num_warps=4)
-    return Segments(slot_to_row, row_to_slot, seg.block_group, seg.tile, seg.num_groups)
+    return build_segments_triton(topk_ids, num_local_experts, tile, offset=local_expert_offset, token_order=order,
+                                 pdl=pdl)
 
 
 def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Tensor, expert_weights: torch.Tensor,

@@ -23,7 +23,8 @@ chunks do not: with it, 128 chunks (131072 slots) read 77 µs a graph replay aga
 
 The groups are ``value - offset`` (a slot outside ``[0, G)`` belongs to no group: row -1), or with ``adapter_ids``
 the (adapter, local expert) groups of :func:`moelab.permutation.adapter_expert_groups`, read from the ids in the
-kernels. Rows inside a group follow the slot (= token) order: deterministic (the atomics only count), no host sync.
+kernels. Rows inside a group follow the slot (= token) order, or with ``token_order`` the tokens' places in that
+permutation (the adapter loop's tokens sorted by adapter): deterministic (the atomics only count), no host sync.
 """
 
 from __future__ import annotations
@@ -61,14 +62,26 @@ MAX_CHUNK = 1024
 
 
 @jit
+def _slot_in_order(order_ptr, slots, num_slots, top_k, ORDERED: tl.constexpr):
+    """With ORDERED, the slot at place ``slots`` of the token order ``order_ptr`` (int32 [num_slots // top_k]):
+    ``order[i // top_k] * top_k + i % top_k``; else ``slots`` itself."""
+    if ORDERED:
+        token = tl.load(order_ptr + slots // top_k, mask=slots < num_slots, other=0)
+        return token * top_k + slots % top_k
+    return slots
+
+
+@jit
 def _load_groups(values_ptr, slots, num_slots, offset, num_groups, NO_GROUP: tl.constexpr, PACKED: tl.constexpr,
-                 adapter_ptr, top_k, num_experts, BY_ADAPTER: tl.constexpr):
+                 adapter_ptr, top_k, num_experts, BY_ADAPTER: tl.constexpr, ORDERED: tl.constexpr = False):
     """Group of each slot (int32, NO_GROUP for a slot past ``num_slots`` or outside ``[0, num_groups)``): the value
     minus ``offset``, or with BY_ADAPTER the (adapter, expert) group ``adapter * num_experts + expert`` of
     ``moelab.permutation.adapter_expert_groups`` (adapter = ``adapter_ptr[slot // top_k]``; the last group for a
-    slot without an adapter in ``[0, (num_groups - 1) // num_experts)`` or a local expert)."""
+    slot without an adapter in ``[0, (num_groups - 1) // num_experts)`` or a local expert). With ORDERED
+    (not with BY_ADAPTER) ``slots`` are places in the token order ``adapter_ptr`` (:func:`_slot_in_order`)."""
     live_slot = slots < num_slots
-    g = tl.load(values_ptr + slots, mask=live_slot, other=-1).to(tl.int32)
+    at = _slot_in_order(adapter_ptr, slots, num_slots, top_k, ORDERED)
+    g = tl.load(values_ptr + at, mask=live_slot, other=-1).to(tl.int32)
     if PACKED:  # FlashInfer's routing word: the expert id is the signed high half
         g = routing_word_expert(g)
     g = g - offset
@@ -156,7 +169,8 @@ def _fill_padding_rows(row_to_slot_ptr, lane, start, end, CHUNK: tl.constexpr):
 @jit
 def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slot_ptr, num_slots, offset, num_groups,
                            num_rows, rows_per_chunk, adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr,
-                           G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr):
+                           G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr,
+                           ORDERED: tl.constexpr = False):
     """Each chunk's histogram and its exclusive scan over groups; also the -1 fill of this chunk's share of
     ``row_to_slot`` (the padding rows; the scatter, a later launch, writes the live ones)."""
     chunk = tl.program_id(0)
@@ -164,7 +178,7 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slo
     r_end = tl.minimum((chunk + 1) * rows_per_chunk, num_rows)
     _fill_padding_rows(row_to_slot_ptr, lane, chunk * rows_per_chunk, r_end, CHUNK)
     g = _load_groups(values_ptr, chunk * CHUNK + tl.arange(0, CHUNK), num_slots, offset, num_groups, G_BINS - 1,
-                     PACKED, adapter_ptr, top_k, num_experts, BY_ADAPTER)
+                     PACKED, adapter_ptr, top_k, num_experts, BY_ADAPTER, ORDERED)
     hist = _histogram(g, hist_ptr + chunk * G_BINS, G_BINS, ATOMIC)
     bins = tl.arange(0, G_BINS)
     if not ATOMIC:
@@ -211,7 +225,7 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
                              num_blocks, blocks_per_chunk, adapter_ptr, top_k, num_experts, TILE: tl.constexpr,
                              CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, CB: tl.constexpr,
                              BY_ADAPTER: tl.constexpr, BISECT: tl.constexpr, hist_ptr=None, num_chunks=1,
-                             SCAN: tl.constexpr = False, SCAN_CB: tl.constexpr = 1):
+                             SCAN: tl.constexpr = False, SCAN_CB: tl.constexpr = 1, ORDERED: tl.constexpr = False):
     """Sort the chunk and scatter its slots to their rows. With SCAN (up to ``BISECT_BINS`` bins and
     ``SCAN_IN_SCATTER_MAX_COUNTS`` counts: no scan launch)
     the program first scans the chunks' histograms ``hist_ptr`` [num_chunks, G_BINS] itself, SCAN_CB chunks a step:
@@ -245,7 +259,7 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
                         tl.minimum(b_start + blocks_per_chunk, num_blocks), TILE, CB, G_BINS, BISECT)
     lane = tl.arange(0, CHUNK)
     g = _load_groups(values_ptr, chunk * CHUNK + lane, num_slots, offset, num_groups, G_BINS - 1, PACKED,
-                     adapter_ptr, top_k, num_experts, BY_ADAPTER)
+                     adapter_ptr, top_k, num_experts, BY_ADAPTER, ORDERED)
     order = tl.sort(g * CHUNK + lane)  # by group, then by slot: a stable sort of the chunk
     g_sorted, lane_sorted = order // CHUNK, order % CHUNK
     in_group = g_sorted < num_groups
@@ -256,8 +270,9 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
     else:
         base = tl.load(seg_start_ptr + g_sorted) + tl.load(chunk_base_ptr + at)
     row = tl.where(in_group, base + rank, -1)
-    slot = chunk * CHUNK + lane_sorted
-    tl.store(slot_to_row_ptr + slot, row, mask=slot < num_slots)
+    place = chunk * CHUNK + lane_sorted
+    slot = _slot_in_order(adapter_ptr, place, num_slots, top_k, ORDERED)
+    tl.store(slot_to_row_ptr + slot, row, mask=place < num_slots)
     tl.store(row_to_slot_ptr + row, slot, mask=in_group)
 
 
@@ -266,11 +281,11 @@ def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_
                                num_slots, offset, num_groups, num_rows, num_blocks, adapter_ptr, top_k,
                                num_experts, TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
                                PACKED: tl.constexpr, CB: tl.constexpr, BY_ADAPTER: tl.constexpr,
-                               BISECT: tl.constexpr, USE_GDC: tl.constexpr = False):
+                               BISECT: tl.constexpr, USE_GDC: tl.constexpr = False, ORDERED: tl.constexpr = False):
     wait_for_previous_kernel(USE_GDC)
     one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset,
                        num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB, adapter_ptr, top_k,
-                       num_experts, BY_ADAPTER, BISECT)
+                       num_experts, BY_ADAPTER, BISECT, ORDERED)
 
 
 @jit
@@ -278,13 +293,13 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
                        num_slots, offset, num_groups, num_rows, num_blocks,
                        TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr,
                        CB: tl.constexpr, adapter_ptr=None, top_k=1, num_experts=1, BY_ADAPTER: tl.constexpr = False,
-                       BISECT: tl.constexpr = False):
+                       BISECT: tl.constexpr = False, ORDERED: tl.constexpr = False):
     """All of the segments of up to CHUNK slots in one program (see :func:`plan_one_chunk` for the arguments;
     ``scratch_ptr`` int32 [G_BINS], [2 * G_BINS] with BISECT)."""
     lane = tl.arange(0, CHUNK)
     bins = tl.arange(0, G_BINS)
     g = _load_groups(values_ptr, lane, num_slots, offset, num_groups, G_BINS - 1, PACKED, adapter_ptr, top_k,
-                     num_experts, BY_ADAPTER)
+                     num_experts, BY_ADAPTER, ORDERED)
     hist = _histogram(g, scratch_ptr + G_BINS, G_BINS, BISECT)  # the seg_start half counts, then is overwritten
     padded = _padded_counts(hist, bins, num_groups, TILE)
     seg_end = tl.cumsum(padded, axis=0)
@@ -301,10 +316,11 @@ def one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr
     else:
         _store_group_tiles(block_group_ptr, seg_end - padded, padded, bins, num_groups, total, num_blocks, TILE, CHUNK)
     order = tl.sort(g * CHUNK + lane)
-    g_sorted, slot = order // CHUNK, order % CHUNK
+    g_sorted, place = order // CHUNK, order % CHUNK
     in_group = g_sorted < num_groups
     row = tl.where(in_group, tl.load(scratch_ptr + g_sorted) + lane, -1)
-    tl.store(slot_to_row_ptr + slot, row, mask=slot < num_slots)
+    slot = _slot_in_order(adapter_ptr, place, num_slots, top_k, ORDERED)
+    tl.store(slot_to_row_ptr + slot, row, mask=place < num_slots)
     tl.store(row_to_slot_ptr + row, slot, mask=in_group)
 
 
@@ -364,7 +380,8 @@ def _block_group_map(g_bins: int) -> dict:
 
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
                           packed: bool = False, adapter_ids: torch.Tensor | None = None,
-                          num_experts: int | None = None, pdl: dict | None = None) -> Segments:
+                          num_experts: int | None = None, token_order: torch.Tensor | None = None,
+                          pdl: dict | None = None) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in one Triton launch up to
     ``MAX_CHUNK`` slots, else two (four past ``BISECT_BINS`` bins).
 
@@ -376,12 +393,22 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         adapter_ids: int [T] with ``values`` the expert ids of T tokens ([T*K]) and ``num_experts`` E_local: group
             by (adapter, local expert) instead, the groups of :func:`moelab.permutation.adapter_expert_groups` for
             ``G = L * E_local + 1`` (L adapters, the last group the slots of no adapter or no local expert).
+        token_order: int32 [T], a permutation of the T tokens of ``values`` ([T*K], not with ``adapter_ids``):
+            the rows inside each group follow the tokens in this order (then their slots' order) instead of
+            the slots' order, as if ``values`` were ``values.view(T, K)[token_order]``; the slot ids written are
+            the slots' own.
         pdl: the one program's launch options of :func:`moelab._runtime.pdl_launch` (default: asked here).
     """
     values = values.flatten()
     n = values.numel()
-    by_adapter = adapter_ids is not None
+    by_adapter, ordered = adapter_ids is not None, token_order is not None
     top_k, experts = 1, 1
+    if ordered:
+        if by_adapter or token_order.dtype != torch.int32 or n % max(token_order.numel(), 1):
+            raise ValueError(f"token_order: expected an int32 permutation of the {n} slots' tokens, without "
+                             f"adapter_ids (got {token_order.dtype}, {token_order.numel()} tokens)")
+        top_k = n // max(token_order.numel(), 1)
+        values, adapter_ids = values.contiguous(), token_order.contiguous()  # read by slot, by token
     if by_adapter:
         adapter_ids = adapter_ids.contiguous()  # read by token index
         values = values.contiguous()  # the caller's topk_ids may be a strided view (flatten keeps it one)
@@ -397,8 +424,16 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                           (num_groups - 1) // experts, experts, offset)
         else:
             group = ids - offset
-        return build_segments(group, num_groups, tile)
-    adapters = dict(adapter_ptr=adapter_ids, top_k=top_k, num_experts=experts, BY_ADAPTER=by_adapter)
+        if not ordered or n == 0:
+            return build_segments(group, num_groups, tile)
+        seg = build_segments(group.view(-1, top_k)[token_order.long()].flatten(), num_groups, tile)
+        place_slot = (token_order.long()[:, None] * top_k + torch.arange(top_k, device=ids.device)).flatten()
+        slot_to_row = torch.empty_like(seg.slot_to_row)
+        slot_to_row[place_slot] = seg.slot_to_row
+        row_to_slot = torch.where(seg.row_to_slot >= 0, place_slot[seg.row_to_slot.long().clamp(min=0)].int(), -1)
+        return Segments(slot_to_row, row_to_slot.to(torch.int32), seg.block_group, tile, num_groups)
+    adapters = dict(adapter_ptr=adapter_ids, top_k=top_k, num_experts=experts, BY_ADAPTER=by_adapter,
+                    ORDERED=ordered)
     if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk: decode calls are host-bound)
         sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
         slot_to_row, row_to_slot, block_group, scratch = torch.empty(
