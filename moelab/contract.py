@@ -30,7 +30,8 @@ from moelab.permutation import max_live_rows
 if TYPE_CHECKING:  # annotations only: moelab.lora stays a sibling, not a dependency
     from moelab.lora import LoRABank
 
-__all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "LoRAExpertsCall", "permuted_rows", "ACTIVATIONS"]
+__all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "LoRAExpertsCall", "permuted_rows", "ACTIVATIONS",
+           "SWIGLUOAI_ALPHA"]
 
 #: Expert activations, as ``(activation, gated)`` pairs (:func:`moelab.prepare_weights`). Gated ones read GEMM1's
 #: output as ``[gate; up]``: ``act(gate) * up``, or GPT-OSS's ``"swigluoai"``; not gated: ``act(up)``.
@@ -38,6 +39,8 @@ ACTIVATIONS = frozenset({
     ("silu", True), ("gelu", True), ("gelu_tanh", True), ("swigluoai", True),
     ("silu", False), ("gelu", False), ("gelu_tanh", False), ("relu2", False),
 })
+#: GPT-OSS's ``"swigluoai"`` alpha, ``gate * sigmoid(alpha * gate) * (up + 1)``, when a caller gives none.
+SWIGLUOAI_ALPHA = 1.702
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from moelab import _checks
 from moelab._checks import FLOAT_DTYPES, INT_DTYPES, check_int, check_tensor
 from moelab.backends import available_backends, get_backend, resolve_backend
-from moelab.contract import ACTIVATIONS, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
+from moelab.contract import ACTIVATIONS, SWIGLUOAI_ALPHA, MoEWeights, RoutedMoECall, RoutedMoEResult, permuted_rows
 
 __all__ = ["MoEWeights", "RoutedMoECall", "RoutedMoEResult", "prepare_weights", "routed_moe",
            "permuted_rows", "available_backends"]
@@ -77,7 +77,7 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto", 
                                      or not math.isfinite(swiglu_limit) or swiglu_limit <= 0):
         raise ValueError(f"swiglu_limit: expected a positive finite float for a gated activation, got {swiglu_limit}")
     if activation == "swigluoai":
-        swiglu_alpha = 1.702 if swiglu_alpha is None else float(swiglu_alpha)
+        swiglu_alpha = SWIGLUOAI_ALPHA if swiglu_alpha is None else float(swiglu_alpha)
         swiglu_limit = 7.0 if swiglu_limit is None else swiglu_limit
     _checks.check_same_device(w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
     options = dict(activation=activation, gated=gated, swiglu_alpha=swiglu_alpha,

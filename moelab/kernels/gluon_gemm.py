@@ -40,6 +40,7 @@ import os
 import torch
 
 from moelab import _runtime
+from moelab.contract import SWIGLUOAI_ALPHA
 from moelab.kernels._common import tma_ok
 from moelab.kernels.fused_lora import AdapterLoopLoRA, TileLoRA, own_rank_pad
 from moelab.permutation import Segments, cdiv
@@ -844,7 +845,7 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
         raise ValueError("lora: the Gluon GEMM1 folds a fused LoRA bank into plain SwiGLU without a bias only; pass "
                          "lora=None or use moe_gemm.gemm1_swiglu")
     if activation == "swigluoai" and swiglu_alpha is None:
-        swiglu_alpha = 1.702
+        swiglu_alpha = SWIGLUOAI_ALPHA
     E_local, two_i, H = w13.shape
     I = two_i // 2
     reach = segments.row_to_slot.numel()
@@ -899,7 +900,7 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
                     w_desc=desc([block_n, block_k]), out_desc=desc([128, block_n]), **tiles, delta_ptr="*bf16",
                     stride_d="i32", **bank)
         constexprs |= dict(HAS_DELTA=delta, BLOCK_K=block_k, ACTIVATION=activation, SWIGLU_LIMIT=swiglu_limit,
-                           SWIGLU_ALPHA=1.702 if activation == "swigluoai" else None)
+                           SWIGLU_ALPHA=SWIGLUOAI_ALPHA if activation == "swigluoai" else None)
     else:
         kernel = _gemm2_ws_kernel
         hinted += ("H",) if bias else ()  # the bias's row offset (a launch with H a multiple of 16 gets the hint)

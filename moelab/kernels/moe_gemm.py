@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from moelab import _runtime
+from moelab.contract import SWIGLUOAI_ALPHA
 from moelab.kernels import gluon_gemm
 from moelab.kernels._common import (
     dot_flags,
@@ -580,7 +581,7 @@ def gemm1_swiglu(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segments
     options = {}  # plain SwiGLU: the kernel's defaults (fewer arguments for the launcher to bind at decode)
     if (activation, gated, swiglu_limit, bias, input_weights) != ("silu", True, None, None, None):
         if activation == "swigluoai" and swiglu_alpha is None:
-            swiglu_alpha = 1.702
+            swiglu_alpha = SWIGLUOAI_ALPHA
         options = dict(bias_ptr=bias, in_weight_ptr=input_weights, ACTIVATION=activation, GATED=gated,
                        SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                        IN_WEIGHT_PACKED=input_weights is not None and input_weights.dtype == torch.int32)

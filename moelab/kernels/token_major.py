@@ -61,6 +61,7 @@ import torch
 import triton.language as tl
 
 from moelab import _runtime
+from moelab.contract import SWIGLUOAI_ALPHA
 from moelab.kernels import fused_lora
 from moelab.kernels._common import (
     expert_activation,
@@ -401,7 +402,7 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
     packed = expert_weights is None
     weights = routing if packed else expert_weights
     if activation == "swigluoai" and swiglu_alpha is None:
-        swiglu_alpha = 1.702
+        swiglu_alpha = SWIGLUOAI_ALPHA
     act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
     common = dict(routing_ptr=routing, weights_ptr=weights, top_k=K, num_local_experts=E_local,
                   local_expert_offset=local_expert_offset, PACKED=packed, **(pdl or {}))
