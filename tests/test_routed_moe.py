@@ -385,6 +385,10 @@ def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high
     assert torch.equal(got.slot_to_row, want.slot_to_row)
     assert torch.equal(got.row_to_slot, want.row_to_slot)
     assert torch.equal(got.block_group, want.block_group)
+    no_map = build_segments_triton(values, G, tile, offset, tile_map=False)  # the slot maps alone
+    assert no_map.block_group.numel() == 0
+    assert torch.equal(no_map.slot_to_row, want.slot_to_row)
+    assert torch.equal(no_map.row_to_slot, want.row_to_slot)
 
 
 @pytest.mark.parametrize(

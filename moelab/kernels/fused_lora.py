@@ -756,7 +756,7 @@ def adapter_sorted_segments(topk_ids: torch.Tensor, lora_ids: torch.Tensor, num_
     H100), then the expert segments over the tokens in that order (``token_order``: the slot ids they write are
     the slots' own)."""
     order = build_segments_triton(torch.zeros_like(lora_ids), num_loras + 1, 1, adapter_ids=lora_ids, num_experts=1,
-                                  pdl=pdl).row_to_slot  # int32 [T]: every token is in a group, the last = none
+                                  tile_map=False, pdl=pdl).row_to_slot  # int32 [T]: each token in a group (last: none)
     return build_segments_triton(topk_ids, num_local_experts, tile, offset=local_expert_offset, token_order=order,
                                  pdl=pdl)
 

@@ -127,7 +127,7 @@ def _store_group_tiles(block_group_ptr, seg_start, padded, bins, num_groups, tot
     (``scripts/one_chunk_parts.py``)."""
     first = seg_start // TILE
     tiles = tl.where(bins < num_groups, padded // TILE, 0)
-    for j in range(0, tl.max(tiles, axis=0)):  # first + j < num_blocks: max_live_rows bounds the padded rows
+    for j in range(0, tl.minimum(tl.max(tiles, axis=0), num_blocks)):  # none when the caller asks for no map
         tl.store(block_group_ptr + first + j, bins, mask=(j < tiles) & (first + j < num_blocks))
     for b0 in range(total // TILE, num_blocks, CB):
         blocks = b0 + tl.arange(0, CB)
@@ -381,7 +381,7 @@ def _block_group_map(g_bins: int) -> dict:
 def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offset: int = 0, *,
                           packed: bool = False, adapter_ids: torch.Tensor | None = None,
                           num_experts: int | None = None, token_order: torch.Tensor | None = None,
-                          pdl: dict | None = None) -> Segments:
+                          tile_map: bool = True, pdl: dict | None = None) -> Segments:
     """:func:`moelab.permutation.build_segments` of ``group = values - offset``, in one Triton launch up to
     ``MAX_CHUNK`` slots, else two (four past ``BISECT_BINS`` bins).
 
@@ -397,6 +397,9 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
             the rows inside each group follow the tokens in this order (then their slots' order) instead of
             the slots' order, as if ``values`` were ``values.view(T, K)[token_order]``; the slot ids written are
             the slots' own.
+        tile_map: False: no tile -> group map (``block_group`` comes back empty), for a caller that reads only
+            the slot maps: the adapter loop's counting sort (one-row tiles: a map of T entries, by a compare of
+            every tile with every group).
         pdl: the one program's launch options of :func:`moelab._runtime.pdl_launch` (default: asked here).
     """
     values = values.flatten()
@@ -425,21 +428,24 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         else:
             group = ids - offset
         if not ordered or n == 0:
-            return build_segments(group, num_groups, tile)
-        seg = build_segments(group.view(-1, top_k)[token_order.long()].flatten(), num_groups, tile)
-        place_slot = (token_order.long()[:, None] * top_k + torch.arange(top_k, device=ids.device)).flatten()
-        slot_to_row = torch.empty_like(seg.slot_to_row)
-        slot_to_row[place_slot] = seg.slot_to_row
-        row_to_slot = torch.where(seg.row_to_slot >= 0, place_slot[seg.row_to_slot.long().clamp(min=0)].int(), -1)
-        return Segments(slot_to_row, row_to_slot.to(torch.int32), seg.block_group, tile, num_groups)
+            seg = build_segments(group, num_groups, tile)
+        else:
+            seg = build_segments(group.view(-1, top_k)[token_order.long()].flatten(), num_groups, tile)
+            place_slot = (token_order.long()[:, None] * top_k + torch.arange(top_k, device=ids.device)).flatten()
+            slot_to_row = torch.empty_like(seg.slot_to_row)
+            slot_to_row[place_slot] = seg.slot_to_row
+            row_to_slot = torch.where(seg.row_to_slot >= 0, place_slot[seg.row_to_slot.long().clamp(min=0)], -1)
+            seg = Segments(slot_to_row, row_to_slot.to(torch.int32), seg.block_group, tile, num_groups)
+        return seg if tile_map else Segments(seg.slot_to_row, seg.row_to_slot, seg.block_group[:0], tile, num_groups)
     adapters = dict(adapter_ptr=adapter_ids, top_k=top_k, num_experts=experts, BY_ADAPTER=by_adapter,
                     ORDERED=ordered)
     if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk: decode calls are host-bound)
         sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
         slot_to_row, row_to_slot, block_group, scratch = torch.empty(
             total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
+        block_group = block_group if tile_map else block_group[:0]
         _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
-                                         num_groups, rows, sizes[2], **adapters, TILE=tile, CHUNK=chunk,
+                                         num_groups, rows, block_group.numel(), **adapters, TILE=tile, CHUNK=chunk,
                                          G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
                                          num_warps=num_warps,
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
@@ -466,7 +472,8 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
             _segments_prefix_kernel[(1,)](seg_start, G_BINS=g_bins, num_warps=8)
     else:  # each scatter program scans the histograms itself (one launch fewer)
         scan = dict(hist_ptr=hist, num_chunks=num_chunks, SCAN=True, SCAN_CB=max(1, 4096 // g_bins))
-    num_blocks = rows // tile
+    num_blocks = rows // tile if tile_map else 0
+    block_group = block_group[:num_blocks]
     _segments_scatter_kernel[(num_chunks,)](values, chunk_bin_start, chunk_base, seg_start, slot_to_row,
                                             row_to_slot, block_group, n, offset, num_groups, num_blocks,
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
