@@ -75,6 +75,36 @@ def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch, device):
     assert none.any() and torch.equal(out[none], base[none])
 
 
+@pytest.mark.parametrize("dtype, on_one", [(torch.bfloat16, 0.7), (torch.float32, 0.7), (torch.float32, 1.0)])
+def test_sorted_shrinks_take_whole_pairs(dtype, on_one, monkeypatch, device):
+    """Over rows sorted by adapter the tile shrinks run each (adapter, expert) pair's rows from its first row, in
+    runs of ``PAIR_M`` rows, by the program whose sub-tile holds that first row. Here adapter 0 has most tokens
+    (``on_one``), so its pairs run past ``PAIR_M`` rows and across sub-tiles and GEMM tiles, and the other pairs
+    start inside sub-tiles; with every token on it (1.0) an expert's last row and the next expert's first are both
+    adapter 0's and meet at a tile boundary (K = E = 2: each expert has T = 160 rows, ten tiles of 16 on a CPU).
+    Every row's rank vectors must still be written and right (float buffers poisoned, float64 reference, tokens
+    without an adapter bit for bit the base path's)."""
+    kept = []
+    original = fused_lora.adapter_loop_shrink_w13
+    monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
+                        lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
+    T = 160
+    lora_ids = torch.where(torch.arange(T) % 10 < 10 * on_one, 0, (torch.arange(T) * 7) % 6 - 1)
+    experts, (x, w, ids, lora_ids), ref = _run("sorted", monkeypatch, device, T=T, dtype=dtype, seed=3,
+                                               lora_ids=lora_ids)
+    _poison_empty(monkeypatch)
+    out, base = lora_and_base_outputs(experts, x, w, ids, lora_ids)
+    lora = kept[0]
+    meta = lora.shrink_meta
+    assert meta["PAIRS"] and meta["SUB_M"] < meta["PAIR_M"]
+    longest = max(int(((ids == e) & (lora_ids == 0)[:, None]).sum()) for e in range(MODES["sorted"]["E"]))
+    assert longest > meta["PAIR_M"], "a pair must need more than one run of PAIR_M rows"
+    assert_close_to_reference(out, ref["output"], dtype, "output")
+    assert_close_to_reference(out.double() - base.double(), ref["lora"], dtype, "LoRA part")
+    none = lora_ids < 0
+    assert torch.equal(out[none], base[none]) and none.any() == (on_one < 1)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device):
     """A rank-8 adapter in a max_rank-64 bank: its rows' rank vectors are written in all 64 columns, zeros past 8

@@ -446,6 +446,37 @@ def _write_tile_packing(tile, row_to_slot_ptr, lora_ids_ptr, ranks_ptr, top_k, n
 
 
 @jit
+def _shrink_adapter_rows(in_ptr, a0_ptr, a1_ptr, out_ptr, rows, in_rows, mine, ratio, a, rank, expert,
+                         num_local_experts, max_rank, D, stride_in, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr,
+                         DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, R_PAD: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One adapter's part of a tile shrink: the rank vectors ``A_a @ in[row]`` of the rows ``mine`` (input rows
+    ``in_rows``; times ``ratio`` when WEIGHTED) into their rows of ``out`` [rows, NUM_SLICES, R_PAD], all R_PAD
+    columns (zeros past ``rank``), fp32 accumulation over a K loop of D."""
+    ks = tl.arange(0, BLOCK_K)
+    r = tl.arange(0, R_PAD)
+    a_offs = ((a * num_local_experts + expert).to(tl.int64) * max_rank + r[None, :]) * D + ks[:, None]
+    a_ok = r < rank
+    acc0 = tl.zeros((rows.shape[0], R_PAD), dtype=tl.float32)
+    acc1 = tl.zeros((rows.shape[0], R_PAD), dtype=tl.float32)
+    in_ptrs = in_ptr + in_rows[:, None] * stride_in + ks[None, :]
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        k_ok = ks + k0 * BLOCK_K < D
+        xt = tl.load(in_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
+        acc0, acc1 = shrink_step(xt, a0_ptr, a1_ptr, a_offs, k_ok[:, None] & a_ok[None, :], acc0, acc1,
+                                 NUM_SLICES, DOT_F32, DOT_PRECISION)
+        in_ptrs += BLOCK_K
+        a_offs += BLOCK_K
+    if WEIGHTED:
+        acc0 = acc0 * ratio[:, None]
+    out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * R_PAD) + r[None, :]
+    every = mine[:, None] & (r >= 0)[None, :]
+    tl.store(out, to_output(acc0, out_ptr.dtype.element_ty), mask=every)
+    if NUM_SLICES == 2:
+        tl.store(out + R_PAD, to_output(acc1, out_ptr.dtype.element_ty), mask=every)
+
+
+@jit
 def _own_shrink_kernel(
     in_ptr, a0_ptr, a1_ptr, out_ptr, row_to_slot_ptr, block_group_ptr, lora_ids_ptr, weights_ptr, ranks_ptr,
     row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, D, top_k, num_local_experts, num_loras,
@@ -453,15 +484,20 @@ def _own_shrink_kernel(
     GATHER: tl.constexpr, NUM_SLICES: tl.constexpr, WEIGHTED: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     R_PAD: tl.constexpr, SUB_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr = False, PAIR_M: tl.constexpr = 16,
     WRITE_PACKING: tl.constexpr = False, ADAPTER_UNITS: tl.constexpr = 16, USE_GDC: tl.constexpr = False,
 ):
     """The adapter loop's tile shrink, one program per SUB_M rows of the GEMMs' permuted rows (a sub-tile of their
     TILE): each row's own rank vector ``A_j @ in[row]`` of its adapter, [rows, NUM_SLICES, R_PAD] in the input
     dtype (fp32 accumulation), all R_PAD columns written (zeros past the adapter's rank) for rows with an adapter,
-    nothing for the others (the GEMMs never read them). A K loop per adapter present in the sub-tile, each reading
-    only its rows. GATHER, WEIGHTED: as :func:`_lora_shrink_kernel`. WRITE_PACKING: the first program of each tile
-    also writes the tile's packing for the Gluon GEMMs (:func:`_write_tile_packing`; ADAPTER_UNITS: the most units
-    of one adapter, a power of two)."""
+    nothing for the others (the GEMMs never read them). A K loop per adapter, each reading only its rows:
+    - PAIRS (each expert's rows sorted by adapter, so an (adapter, expert) pair's rows are one run): the program
+      takes the pairs whose first row is in its sub-tile, whole, PAIR_M rows at a time from that first row, so each
+      pair's A is read once where its run fits PAIR_M rows (a pair that starts in another sub-tile is skipped);
+    - else the adapters present in its sub-tile, over the sub-tile's rows.
+    GATHER, WEIGHTED: as :func:`_lora_shrink_kernel`. WRITE_PACKING: the first program of each tile also writes
+    the tile's packing for the Gluon GEMMs (:func:`_write_tile_packing`; ADAPTER_UNITS: the most units of one
+    adapter, a power of two)."""
     wait_for_previous_kernel(USE_GDC)
     pid = tl.program_id(0)
     expert = tl.load(block_group_ptr + pid // (TILE // SUB_M))
@@ -478,38 +514,52 @@ def _own_shrink_kernel(
     slots = tl.where(row_ok, slots, 0).to(tl.int64)
     adapters, row_ranks, lo, hi, _ = tile_adapters(lora_ids_ptr, slots // top_k, row_ok, num_loras, ranks_ptr,
                                                    max_rank)
-    in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    r = tl.arange(0, R_PAD)
-    out = out_ptr + rows.to(tl.int64)[:, None] * (NUM_SLICES * R_PAD) + r[None, :]
-    if WEIGHTED:
-        ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0)
-    # an adapter cut by a sub-tile boundary is the last of one program's and the first of the next's: even programs
-    # walk their adapters down and odd ones up, so both read its A at about the same time (the second from L2)
-    down = pid % 2 == 0
-    for i in range(0, hi - lo + 1):
-        a = tl.where(down, hi - i, lo + i)
-        mine = adapters == a
-        rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
-        if rank > 0:
-            a_offs = ((a * num_local_experts + expert).to(tl.int64) * max_rank + r[None, :]) * D + ks[:, None]
-            a_ok = r < rank
-            acc0 = tl.zeros((SUB_M, R_PAD), dtype=tl.float32)
-            acc1 = tl.zeros((SUB_M, R_PAD), dtype=tl.float32)
-            in_ptrs = in_ptr + in_rows[:, None] * stride_in + ks[None, :]
-            for k0 in range(0, tl.cdiv(D, BLOCK_K)):
-                k_ok = ks + k0 * BLOCK_K < D
-                xt = tl.load(in_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
-                acc0, acc1 = shrink_step(xt, a0_ptr, a1_ptr, a_offs, k_ok[:, None] & a_ok[None, :], acc0, acc1,
-                                         NUM_SLICES, DOT_F32, DOT_PRECISION)
-                in_ptrs += BLOCK_K
-                a_offs += BLOCK_K
-            if WEIGHTED:
-                acc0 = acc0 * ratio[:, None]
-            every = mine[:, None] & (r >= 0)[None, :]
-            tl.store(out, to_output(acc0, out_ptr.dtype.element_ty), mask=every)
-            if NUM_SLICES == 2:
-                tl.store(out + R_PAD, to_output(acc1, out_ptr.dtype.element_ty), mask=every)
+    if PAIRS:
+        # the row before the sub-tile: a pair that goes on from it belongs to the program before
+        before = tl.maximum(pid * SUB_M - 1, 0)
+        before_slot = tl.load(row_to_slot_ptr + before)
+        before_ok = (pid > 0) & (before_slot >= 0) & (tl.load(block_group_ptr + before // TILE) == expert)
+        before_adapter = tl.load(lora_ids_ptr + tl.where(before_ok, before_slot, 0) // top_k, mask=before_ok,
+                                 other=-1).to(tl.int32)
+        num_rows = tl.num_programs(0) * SUB_M
+        p = tl.arange(0, PAIR_M)
+        for i in range(0, hi - lo + 1):
+            a = lo + i
+            mine = adapters == a
+            rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+            if (rank > 0) & (a != before_adapter):
+                start = tl.min(tl.where(mine, rows, num_rows), axis=0)
+                more = rank > 0
+                while more:
+                    pair_rows = start + p
+                    pair_ok = pair_rows < num_rows
+                    pair_slots = tl.load(row_to_slot_ptr + pair_rows, mask=pair_ok, other=-1)
+                    pair_ok = (pair_slots >= 0) & (tl.load(block_group_ptr + pair_rows // TILE, mask=pair_ok,
+                                                           other=-1) == expert)
+                    pair_slots = tl.where(pair_ok, pair_slots, 0).to(tl.int64)
+                    pair_mine = _row_adapters(lora_ids_ptr, pair_slots // top_k, pair_ok, num_loras) == a
+                    ratio = caller_weight_ratio(weights_ptr, pair_slots, pair_mine) if WEIGHTED else 0.0
+                    _shrink_adapter_rows(in_ptr, a0_ptr, a1_ptr, out_ptr, pair_rows,
+                                         (pair_slots // top_k) if GATHER else pair_rows.to(tl.int64), pair_mine,
+                                         ratio, a, rank, expert, num_local_experts, max_rank, D, stride_in,
+                                         NUM_SLICES, WEIGHTED, DOT_F32, DOT_PRECISION, R_PAD, BLOCK_K)
+                    more = tl.sum(tl.where(p == PAIR_M - 1, pair_mine, False).to(tl.int32), axis=0) > 0
+                    start += PAIR_M
+    else:
+        in_rows = (slots // top_k) if GATHER else rows.to(tl.int64)
+        ratio = caller_weight_ratio(weights_ptr, slots, adapters >= 0) if WEIGHTED else 0.0
+        # an adapter cut by a sub-tile boundary is the last of one program's and the first of the next's: even
+        # programs walk their adapters down and odd ones up, so both read its A at about the same time (the second
+        # from L2)
+        down = pid % 2 == 0
+        for i in range(0, hi - lo + 1):
+            a = tl.where(down, hi - i, lo + i)
+            mine = adapters == a
+            rank = tl.max(tl.where(mine, row_ranks, 0), axis=0)
+            if rank > 0:
+                _shrink_adapter_rows(in_ptr, a0_ptr, a1_ptr, out_ptr, rows, in_rows, mine, ratio, a, rank, expert,
+                                     num_local_experts, max_rank, D, stride_in, NUM_SLICES, WEIGHTED, DOT_F32,
+                                     DOT_PRECISION, R_PAD, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -768,6 +818,8 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     r_pad, tile = own_rank_pad(bank), segments.tile
     reach = segments.row_to_slot.numel()
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
+    pairs = sorts_by_adapter(top_k * x.shape[0], num_local_experts, bank.max_loras, sub_m)  # as the segments were
+    shrink_m = min(2 * sub_m, 128) if pairs else sub_m  # rows of one K loop: most pairs in one
     tiles, adapter_units = reach // tile, cdiv(bank.max_rank, 8)
     units_max = cdiv(min(bank.max_loras, tile) * adapter_units, 16) * 16  # whole steps of 8 units (and Triton's hint)
     tiles_pad = cdiv(tiles, 4) * 4  # the unit map 16-byte aligned
@@ -778,9 +830,9 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
         sub_m=sub_m, row_first_units=packing[:reach], row_ranks=packing[reach:2 * reach],
         tile_units=packing[2 * reach:2 * reach + tiles],
         unit_map=packing[2 * reach + tiles_pad:].view(tiles, units_max),
-        shrink_meta=dict(**dot_flags(x.dtype), R_PAD=r_pad, SUB_M=sub_m, TILE=tile,
-                         BLOCK_K=_shrink_block_k(sub_m, r_pad, x.element_size()),
-                         num_warps=8 if sub_m * r_pad > 64 * 64 else 4, **pdl))
+        shrink_meta=dict(**dot_flags(x.dtype), R_PAD=r_pad, SUB_M=sub_m, TILE=tile, PAIRS=pairs, PAIR_M=shrink_m,
+                         BLOCK_K=_shrink_block_k(shrink_m, r_pad, x.element_size()),
+                         num_warps=8 if shrink_m * r_pad > 64 * 64 else 4, **pdl))
     if segments.block_group.numel():
         _own_shrink_kernel[(segments.block_group.numel() * (tile // sub_m),)](
             in_ptr=x, a0_ptr=bank.up_a, a1_ptr=bank.gate_a, out_ptr=lora.s13, **_own_shrink_rows(lora),
