@@ -78,16 +78,19 @@ def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch, device):
 @pytest.mark.parametrize("dtype, on_one", [(torch.bfloat16, 0.7), (torch.float32, 0.7), (torch.float32, 1.0)])
 def test_sorted_shrinks_take_whole_pairs(dtype, on_one, monkeypatch, device):
     """Over rows sorted by adapter the tile shrinks run each (adapter, expert) pair's rows from its first row, in
-    runs of ``PAIR_M`` rows, by the program whose sub-tile holds that first row. Here adapter 0 has most tokens
-    (``on_one``), so its pairs run past ``PAIR_M`` rows and across sub-tiles and GEMM tiles, and the other pairs
-    start inside sub-tiles; with every token on it (1.0) an expert's last row and the next expert's first are both
-    adapter 0's and meet at a tile boundary (K = E = 2: each expert has T = 160 rows, ten tiles of 16 on a CPU).
+    runs of ``PAIR_M`` rows, by the program whose sub-tile holds that first row (forced on these small shapes'
+    sub-tiles; the module takes it at ``SHRINK_PAIRS_SUB_M`` rows, the other tests here run the sub-tiles). Here
+    adapter 0 has most tokens (``on_one``), so its pairs run past ``PAIR_M`` rows and across sub-tiles and GEMM
+    tiles, and the other pairs start inside sub-tiles; with every token on it (1.0) an expert's last row and the
+    next expert's first are both adapter 0's and meet at a tile boundary (K = E = 2: each expert has T = 160 rows,
+    ten tiles of 16 on a CPU).
     Every row's rank vectors must still be written and right (float buffers poisoned, float64 reference, tokens
     without an adapter bit for bit the base path's)."""
     kept = []
     original = fused_lora.adapter_loop_shrink_w13
     monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
                         lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
+    monkeypatch.setattr(fused_lora, "SHRINK_PAIRS_SUB_M", 16)  # the sub-tiles of these small shapes
     T = 160
     lora_ids = torch.where(torch.arange(T) % 10 < 10 * on_one, 0, (torch.arange(T) * 7) % 6 - 1)
     experts, (x, w, ids, lora_ids), ref = _run("sorted", monkeypatch, device, T=T, dtype=dtype, seed=3,

@@ -783,6 +783,16 @@ def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
     return lora
 
 
+#: The adapter loop's tile shrinks take whole (adapter, expert) pairs (``_own_shrink_kernel``'s PAIRS) where each
+#: expert's rows are sorted by adapter and ``adapter_sub_m`` is this: 17-32 rows a pair on average. There each
+#: pair's A is read once instead of once for every sub-tile the pair crosses. Shorter pairs lose to the extra
+#: dependent loads each pair's run starts with, longer ones to the lost parallelism (one program runs a whole pair).
+#: H100, 2026-12-06, ``scripts/profile_lora_banks.py``, Qwen3-30B-A3B, ranks 64/32/16/8, GPU µs of both shrinks,
+#: PAIRS against the sub-tiles: 32 rows a pair 0.89x (T = 4096 with 8 adapters: 197-198 against 222-224 µs) and
+#: 0.87-0.91x (T = 16384 with 32: 732 against 808-840); 2 rows 1.29x, 8 rows 1.06-1.25x, 128 rows 1.17-1.20x.
+SHRINK_PAIRS_SUB_M = 32
+
+
 def sorts_by_adapter(num_slots: int, num_local_experts: int, num_loras: int, sub_m: int) -> bool:
     """Whether the adapter loop sorts each expert's rows by adapter: for a bank of several slots, when an expert's
     rows span more than one tile-shrink sub-tile (T >= ~512 at Qwen3 shapes), so that a sub-tile and a GEMM tile
@@ -818,7 +828,8 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     r_pad, tile = own_rank_pad(bank), segments.tile
     reach = segments.row_to_slot.numel()
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
-    pairs = sorts_by_adapter(top_k * x.shape[0], num_local_experts, bank.max_loras, sub_m)  # as the segments were
+    pairs = sub_m == SHRINK_PAIRS_SUB_M and sorts_by_adapter(top_k * x.shape[0], num_local_experts, bank.max_loras,
+                                                             sub_m)  # the rows sorted as the segments were
     shrink_m = min(2 * sub_m, 128) if pairs else sub_m  # rows of one K loop: most pairs in one
     tiles, adapter_units = reach // tile, cdiv(bank.max_rank, 8)
     units_max = cdiv(min(bank.max_loras, tile) * adapter_units, 16) * 16  # whole steps of 8 units (and Triton's hint)
