@@ -90,7 +90,7 @@ def test_sorted_shrinks_take_whole_pairs(dtype, on_one, monkeypatch, device):
     original = fused_lora.adapter_loop_shrink_w13
     monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
                         lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
-    monkeypatch.setattr(fused_lora, "SHRINK_PAIRS_SUB_M", 16)  # the sub-tiles of these small shapes
+    monkeypatch.setattr(fused_lora, "shrink_takes_pairs", lambda sub_m: True)  # on these small shapes' sub-tiles
     T = 160
     lora_ids = torch.where(torch.arange(T) % 10 < 10 * on_one, 0, (torch.arange(T) * 7) % 6 - 1)
     experts, (x, w, ids, lora_ids), ref = _run("sorted", monkeypatch, device, T=T, dtype=dtype, seed=3,

@@ -793,6 +793,11 @@ def adapter_loop_decode_launch(topk_ids: torch.Tensor, x: torch.Tensor, bank: Lo
 SHRINK_PAIRS_SUB_M = 32
 
 
+def shrink_takes_pairs(sub_m: int) -> bool:
+    """Whether the tile shrinks of ``sub_m``-row sub-tiles take whole pairs over rows sorted by adapter."""
+    return sub_m == SHRINK_PAIRS_SUB_M
+
+
 def sorts_by_adapter(num_slots: int, num_local_experts: int, num_loras: int, sub_m: int) -> bool:
     """Whether the adapter loop sorts each expert's rows by adapter: for a bank of several slots, when an expert's
     rows span more than one tile-shrink sub-tile (T >= ~512 at Qwen3 shapes), so that a sub-tile and a GEMM tile
@@ -828,8 +833,8 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     r_pad, tile = own_rank_pad(bank), segments.tile
     reach = segments.row_to_slot.numel()
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
-    pairs = sub_m == SHRINK_PAIRS_SUB_M and sorts_by_adapter(top_k * x.shape[0], num_local_experts, bank.max_loras,
-                                                             sub_m)  # the rows sorted as the segments were
+    pairs = shrink_takes_pairs(sub_m) and sorts_by_adapter(top_k * x.shape[0], num_local_experts, bank.max_loras,
+                                                            sub_m)  # the rows sorted as the segments were
     shrink_m = min(2 * sub_m, 128) if pairs else sub_m  # rows of one K loop: most pairs in one
     tiles, adapter_units = reach // tile, cdiv(bank.max_rank, 8)
     units_max = cdiv(min(bank.max_loras, tile) * adapter_units, 16) * 16  # whole steps of 8 units (and Triton's hint)
