@@ -493,7 +493,8 @@ def _own_shrink_kernel(
     nothing for the others (the GEMMs never read them). A K loop per adapter, each reading only its rows:
     - PAIRS (each expert's rows sorted by adapter, so an (adapter, expert) pair's rows are one run): the program
       takes the pairs whose first row is in its sub-tile, whole, PAIR_M rows at a time from that first row, so each
-      pair's A is read once where its run fits PAIR_M rows (a pair that starts in another sub-tile is skipped);
+      pair's A is read once where its run fits PAIR_M rows (a pair that starts in another sub-tile is skipped; a
+      run whose last row is the pair's goes on to one more run of no rows, as the next row is not read first);
     - else the adapters present in its sub-tile, over the sub-tile's rows.
     GATHER, WEIGHTED: as :func:`_lora_shrink_kernel`. WRITE_PACKING: the first program of each tile also writes
     the tile's packing for the Gluon GEMMs (:func:`_write_tile_packing`; ADAPTER_UNITS: the most units of one
