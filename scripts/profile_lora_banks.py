@@ -5,7 +5,11 @@ inside the Gluon GEMMs). Banks as the bench's "Nx mixed" (ranks 64/32/16/8 in tu
 only; prints a table.
 
     python scripts/profile_lora_banks.py [--shape qwen3-30b-a3b] [--tokens 4096,16384] [--adapters 8,32]
-                                         [--paths adapter-loop,flow]
+                                         [--paths adapter-loop,flow] [--loop-block-m 128]
+
+``--loop-block-m N``: the adapter loop's pipeline takes the tile table's first bucket of N-row tiles or more where
+its own bucket has fewer rows (an experiment: at Qwen3 T = 1024, 64 rows an expert, the loop then runs inside the
+Gluon GEMMs on 128-row tiles instead of the Triton kernels on 64-row ones; the base call keeps its tiles).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from profile_lora_tm import kernel_times
 
 import moelab
+from moelab.backends import triton_backend
 from moelab.bench.runner import MIXED_RANKS
 from moelab.roofline import get_shape
 
@@ -28,6 +33,22 @@ def mixed_bank(E: int, H: int, I: int, adapters: int, dev) -> moelab.LoRABank:
                  gate_b=torch.randn(E, I, r, device=dev) * 0.1, up_b=torch.randn(E, I, r, device=dev) * 0.1,
                  down_a=torch.randn(E, r, I, device=dev) / I**0.5, down_b=torch.randn(E, H, r, device=dev) * 0.1)
     return bank
+
+
+def loop_tiles_of_at_least(block_m: int) -> None:
+    """Make the adapter loop's tile config (``choose_config(..., lora_own=True)``) the table's first bucket above
+    its own whose tiles have ``block_m`` rows or more (``--loop-block-m``). Before any call: the pipeline caches
+    its layout per shape."""
+    table = triton_backend.choose_config
+
+    def choose(num_tokens, *args, lora_own=False, **kwargs):
+        cfg, tokens = table(num_tokens, *args, lora_own=lora_own, **kwargs), num_tokens
+        while lora_own and cfg.block_m < block_m and tokens < 1 << 24:
+            tokens *= 2
+            cfg = table(tokens, *args, lora_own=lora_own, **kwargs)
+        return cfg
+
+    triton_backend.choose_config = choose
 
 
 def calls_at(T: int, base, w13, w2, E: int, K: int, H: int, I: int, adapters: list[int], paths: list[str],
@@ -54,7 +75,10 @@ def main() -> None:
     p.add_argument("--adapters", default="8,32")
     p.add_argument("--paths", default="adapter-loop,flow")
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--loop-block-m", type=int, default=0)
     a = p.parse_args()
+    if a.loop_block_m:
+        loop_tiles_of_at_least(a.loop_block_m)
     torch.manual_seed(0)  # the same weights, routing and adapter ids for every tree this script profiles
     s, dev = get_shape(a.shape), torch.device("cuda")
     E, K, H, I = s.E, s.K, s.H, s.I
