@@ -13,6 +13,7 @@ import moelab
 from moelab import reference
 from moelab.backends import triton_backend
 from moelab.kernels import fused_lora
+from moelab.kernels.moe_gemm import GemmConfig
 
 #: "decode": the one-launch decode mode; "tiles": the tile shrinks (decode turned off); "sorted": tiles over rows
 #: sorted by adapter inside each expert (few experts, many rows each).
@@ -75,31 +76,42 @@ def test_adapter_loop_matches_reference(mode, dtype, seed, monkeypatch, device):
     assert none.any() and torch.equal(out[none], base[none])
 
 
-@pytest.mark.parametrize("dtype, on_one", [(torch.bfloat16, 0.7), (torch.float32, 0.7), (torch.float32, 1.0)])
-def test_sorted_shrinks_take_whole_pairs(dtype, on_one, monkeypatch, device):
+@pytest.mark.parametrize("dtype, on_one, tile", [(torch.bfloat16, 0.7, None), (torch.float32, 0.7, None),
+                                                 (torch.float32, 1.0, None), (torch.float32, 0.7, 128),
+                                                 (torch.float32, 1.0, 128)])
+def test_sorted_shrinks_take_whole_pairs(dtype, on_one, tile, monkeypatch, device):
     """Over rows sorted by adapter the tile shrinks run each (adapter, expert) pair's rows from its first row, in
     runs of ``PAIR_M`` rows, by the program whose sub-tile holds that first row (forced on these small shapes'
     sub-tiles; the module takes it at ``SHRINK_PAIRS_SUB_M`` rows, the other tests here run the sub-tiles). Here
     adapter 0 has most tokens (``on_one``), so its pairs run past ``PAIR_M`` rows and across sub-tiles and GEMM
-    tiles, and the other pairs start inside sub-tiles; with every token on it (1.0) an expert's last row and the
-    next expert's first are both adapter 0's and meet at a tile boundary (K = E = 2: each expert has T = 160 rows,
-    ten tiles of 16 on a CPU).
-    Every row's rank vectors must still be written and right (float buffers poisoned, float64 reference, tokens
-    without an adapter bit for bit the base path's)."""
+    tiles, and the other pairs start inside sub-tiles. K = E = 2, so each expert has T rows: with every token on
+    adapter 0 (1.0) an expert's last row and the next expert's first are both adapter 0's, at a tile boundary
+    (T = 160 on the device's own tiles: ten of 16 on a CPU; T = 256 on ``tile`` = 128-row tiles, two an expert,
+    whose sub-tiles are narrower than the tile and the runs wider than the sub-tiles). Every row's rank vectors
+    must still be written and right (float buffers poisoned, float64 reference, tokens without an adapter bit for
+    bit the base path's)."""
     kept = []
     original = fused_lora.adapter_loop_shrink_w13
     monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
                         lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
     monkeypatch.setattr(fused_lora, "shrink_takes_pairs", lambda sub_m: True)  # on these small shapes' sub-tiles
-    T = 160
+    if tile:  # the pipeline caches its layout per shape: cleared before and after
+        monkeypatch.setattr(triton_backend, "choose_config", lambda *a, **k: GemmConfig(tile, 32, 32, 4, 1))
+        triton_backend._layout.cache_clear()
+    T = 256 if tile else 160
     lora_ids = torch.where(torch.arange(T) % 10 < 10 * on_one, 0, (torch.arange(T) * 7) % 6 - 1)
-    experts, (x, w, ids, lora_ids), ref = _run("sorted", monkeypatch, device, T=T, dtype=dtype, seed=3,
-                                               lora_ids=lora_ids)
-    _poison_empty(monkeypatch)
-    out, base = lora_and_base_outputs(experts, x, w, ids, lora_ids)
+    try:
+        experts, (x, w, ids, lora_ids), ref = _run("sorted", monkeypatch, device, T=T, dtype=dtype, seed=3,
+                                                   lora_ids=lora_ids)
+        _poison_empty(monkeypatch)
+        out, base = lora_and_base_outputs(experts, x, w, ids, lora_ids)
+    finally:
+        triton_backend._layout.cache_clear()
     lora = kept[0]
     meta = lora.shrink_meta
-    assert meta["PAIRS"] and meta["SUB_M"] < meta["PAIR_M"]
+    assert meta["PAIRS"] and meta["SUB_M"] < meta["PAIR_M"] and lora.segments.tile == (tile or lora.segments.tile)
+    if tile:
+        assert meta["SUB_M"] < tile and T % tile == 0
     longest = max(int(((ids == e) & (lora_ids == 0)[:, None]).sum()) for e in range(MODES["sorted"]["E"]))
     assert longest > meta["PAIR_M"], "a pair must need more than one run of PAIR_M rows"
     assert_close_to_reference(out, ref["output"], dtype, "output")
