@@ -57,6 +57,7 @@ class Segments:
     block_group: torch.Tensor  # int32 [R // tile]
     tile: int
     num_groups: int
+    token_ordered: bool = False  # rows inside each group follow a caller's token order (not the slots' order)
 
 
 def build_segments(group: torch.Tensor, num_groups: int, tile: int) -> Segments:

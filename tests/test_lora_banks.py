@@ -120,6 +120,23 @@ def test_sorted_shrinks_take_whole_pairs(dtype, on_one, tile, monkeypatch, devic
     assert torch.equal(out[none], base[none]) and none.any() == (on_one < 1)
 
 
+def test_whole_pairs_only_over_rows_sorted_by_adapter(monkeypatch, device):
+    """The tile shrinks take whole pairs only over segments built in the adapters' token order (what the segments
+    say, not a rule recomputed beside them): with the pairs asked for on rows in slot order, the sub-tiles run. A
+    speed rule: the whole-pair runs also give the right rows in slot order (tried), where a pair is many short runs."""
+    kept = []
+    original = fused_lora.adapter_loop_shrink_w13
+    monkeypatch.setattr(fused_lora, "adapter_loop_shrink_w13",
+                        lambda *a, **k: kept.append(original(*a, **k)) or kept[-1])
+    monkeypatch.setattr(fused_lora, "shrink_takes_pairs", lambda sub_m: True)
+    experts, (x, w, ids, lora_ids), ref = _run("tiles", monkeypatch, device, dtype=torch.float32, seed=4)
+    _poison_empty(monkeypatch)
+    out = experts(x, w, ids, lora_ids)
+    (lora,) = kept
+    assert not lora.segments.token_ordered and not lora.shrink_meta["PAIRS"]
+    assert_close_to_reference(out, ref["output"], torch.float32, "output")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_rank_vectors_are_zero_past_each_adapters_rank(mode, monkeypatch, device):
     """A rank-8 adapter in a max_rank-64 bank: its rows' rank vectors are written in all 64 columns, zeros past 8

@@ -467,6 +467,10 @@ def test_segments_in_token_order_follow_their_definition(T, K, G, offset, device
     assert got.slot_to_row.cpu().tolist() == want_slot_to_row
     assert got.row_to_slot.cpu().tolist() == want_row_to_slot
     assert torch.equal(got.block_group.cpu(), ref.block_group)
+    assert got.token_ordered and not ref.token_ordered  # what the adapter loop's shrinks read (whole pairs or not)
+    assert not build_segments_triton(ids.to(device), G, 16, offset).token_ordered
+    assert build_segments_triton(ids.to(device), G, 16, offset, token_order=order.to(device),
+                                 tile_map=False).token_ordered
 
 
 def test_segments_in_token_order_reject_bad_orders():

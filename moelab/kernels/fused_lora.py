@@ -834,8 +834,7 @@ def adapter_loop_shrink_w13(x: torch.Tensor, bank: LoRABank, lora_ids: torch.Ten
     r_pad, tile = own_rank_pad(bank), segments.tile
     reach = segments.row_to_slot.numel()
     sub_m = adapter_sub_m(top_k * x.shape[0], num_local_experts, tile, bank.max_loras)
-    pairs = shrink_takes_pairs(sub_m) and sorts_by_adapter(top_k * x.shape[0], num_local_experts, bank.max_loras,
-                                                            sub_m)  # the rows sorted as the segments were
+    pairs = shrink_takes_pairs(sub_m) and segments.token_ordered  # each expert's rows sorted by adapter
     shrink_m = min(2 * sub_m, 128) if pairs else sub_m  # rows of one K loop: most pairs in one
     tiles, adapter_units = reach // tile, cdiv(bank.max_rank, 8)
     units_max = cdiv(min(bank.max_loras, tile) * adapter_units, 16) * 16  # whole steps of 8 units (and Triton's hint)

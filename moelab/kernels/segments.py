@@ -30,7 +30,7 @@ permutation (the adapter loop's tokens sorted by adapter): deterministic (the at
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -396,7 +396,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
         token_order: int32 [T], a permutation of the T tokens of ``values`` ([T*K], not with ``adapter_ids``):
             the rows inside each group follow the tokens in this order (then their slots' order) instead of
             the slots' order, as if ``values`` were ``values.view(T, K)[token_order]``; the slot ids written are
-            the slots' own.
+            the slots' own, and the segments come back ``token_ordered``.
         tile_map: False: no tile -> group map (``block_group`` comes back empty), for a caller that reads only
             the slot maps: the adapter loop's counting sort (one-row tiles: a map of T entries, by a compare of
             every tile with every group).
@@ -435,8 +435,8 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
             slot_to_row = torch.empty_like(seg.slot_to_row)
             slot_to_row[place_slot] = seg.slot_to_row
             row_to_slot = torch.where(seg.row_to_slot >= 0, place_slot[seg.row_to_slot.long().clamp(min=0)], -1)
-            seg = Segments(slot_to_row, row_to_slot.to(torch.int32), seg.block_group, tile, num_groups)
-        return seg if tile_map else Segments(seg.slot_to_row, seg.row_to_slot, seg.block_group[:0], tile, num_groups)
+            seg = Segments(slot_to_row, row_to_slot.to(torch.int32), seg.block_group, tile, num_groups, True)
+        return seg if tile_map else replace(seg, block_group=seg.block_group[:0])
     adapters = dict(adapter_ptr=adapter_ids, top_k=top_k, num_experts=experts, BY_ADAPTER=by_adapter,
                     ORDERED=ordered)
     if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk: decode calls are host-bound)
@@ -449,7 +449,7 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                          G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
                                          num_warps=num_warps,
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
-        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
+        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups, ordered)
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
@@ -479,4 +479,4 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
                                             G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins), **scan,
                                             num_warps=warps)
-    return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups)
+    return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups, ordered)
