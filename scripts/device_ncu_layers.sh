@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD/scripts
 OUT=${OUT:-build/device_ncu_layers}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"
-METRICS=$(python3 scripts/ncu_kernels.py --metrics)
+METRICS=$(python3 scripts/ncu_kernels.py --metrics ${NCU_L2:+--l2})  # NCU_L2=1: L2's throughput and bytes too
 for point in ${POINTS:-olmoe:1024 qwen3-30b-a3b:1024 qwen3-30b-a3b:4096}; do
   shape=${point%:*}; T=${point#*:}; csv="$OUT/ncu_${shape//[^a-z0-9]/_}_$T.csv"
   el "ncu $shape T=$T"

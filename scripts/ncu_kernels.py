@@ -21,6 +21,9 @@ METRICS = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained
            "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
            "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__grid_size", "launch__registers_per_thread",
            "lts__t_sector_hit_rate.pct", "launch__block_size")
+#: L2's own load (``--l2``): its throughput (% of peak) and the bytes it served, to see whether tiles that reread
+#: weights from L2 are bound by L2 bandwidth rather than by DRAM or the tensor pipes.
+L2_METRICS = ("lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_bytes.sum")
 
 
 def _number(text: str) -> float:
@@ -50,7 +53,9 @@ def summarise(path: str) -> None:
               f"  tensor {m['sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active']:>5s} %"
               f"  warps {m['sm__warps_active.avg.pct_of_peak_sustained_active']:>5s} %"
               f"  grid {m['launch__grid_size']} x {m['launch__block_size']}"
-              f"  registers {m['launch__registers_per_thread']}  L2 hit {m['lts__t_sector_hit_rate.pct']} %")
+              f"  registers {m['launch__registers_per_thread']}  L2 hit {m['lts__t_sector_hit_rate.pct']} %"
+              + (f"  L2 {m[L2_METRICS[0]]} % of peak, {_number(m[L2_METRICS[1]]) / 1e6:.0f} MB"
+                 if L2_METRICS[0] in m else ""))
     print(f"  sum {total:.1f} µs")
 
 
@@ -58,9 +63,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="*", help="ncu --csv reports")
     p.add_argument("--metrics", action="store_true", help="print the --metrics list for ncu and exit")
+    p.add_argument("--l2", action="store_true", help="with --metrics: L2's throughput and bytes too")
     a = p.parse_args()
     if a.metrics:
-        print(",".join(METRICS))
+        print(",".join(METRICS + (L2_METRICS if a.l2 else ())))
         return
     for path in a.csv:
         summarise(path)
