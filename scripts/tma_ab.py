@@ -22,6 +22,7 @@ import argparse
 import torch
 from token_major_ab import _call, _inputs, _layer, write_rows  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
+from moelab.backends import triton_backend
 from moelab.bench.cli import _split_shapes
 from moelab.kernels import moe_gemm
 from moelab.lab import rel_err
@@ -32,9 +33,12 @@ from moelab.roofline import get_shape, graphed, median_us
 #: every expert size (TMA_MIN_HI_GEMM2) and at most GEMM2_MAX_STAGES stages on 128-row tiles.
 RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_gemm.TMA_MIN_HI,
             TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI_GEMM2, GEMM2_MAX_STAGES=moe_gemm.GEMM2_MAX_STAGES)
+#: "tiles128": the rule's loads on the tile table's first bucket of 128-row tiles or more wherever its own bucket has
+#: fewer rows (``MIN_BLOCK_M``; on an sm_90 GPU the Gluon GEMMs then run), e.g. 64 rows an expert on one 128-row tile.
 MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
-         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0)}
+         "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
+         "tiles128": RULE | dict(MIN_BLOCK_M=128)}
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's;
 #: "ws-gemm1-tma": GEMM1's weight tiles through TMA on every expert size (TMA_MIN_HI 0) and its K loop warp
 #: specialised, GEMM2's not.
@@ -43,8 +47,27 @@ WS_MODES = {"ws-gemm2": {"gemm1": False, "gemm2": True}, "ws-both": {"gemm1": Tr
 WS_SETTINGS = {"ws-gemm1-tma": RULE | dict(TMA_MIN_HI=0)}  # the rest run the rule's settings
 
 
+_TABLE = triton_backend.choose_config
+
+
+def _tiles_of_at_least(block_m: int):
+    """The tile table's config, or its first bucket above with tiles of ``block_m`` rows or more."""
+    def choose(num_tokens, *args, **kwargs):
+        cfg, tokens = _TABLE(num_tokens, *args, **kwargs), num_tokens
+        while cfg.block_m < block_m and tokens < 1 << 24:
+            tokens *= 2
+            cfg = _TABLE(tokens, *args, **kwargs)
+        return cfg
+    return choose
+
+
 def apply_settings(settings: dict) -> None:
-    """Set these ``moe_gemm`` module attributes (a mode of ``MODES``, or any such dict)."""
+    """Set these ``moe_gemm`` module attributes (a mode of ``MODES``, or any such dict); ``MIN_BLOCK_M``: the
+    pipeline's tiles (:func:`_tiles_of_at_least`; its layout cache cleared)."""
+    settings = dict(settings)
+    min_block_m = settings.pop("MIN_BLOCK_M", 0)
+    triton_backend.choose_config = _tiles_of_at_least(min_block_m) if min_block_m else _TABLE
+    triton_backend._layout.cache_clear()
     for key, value in settings.items():
         setattr(moe_gemm, key, value)
 
