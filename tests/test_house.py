@@ -119,3 +119,39 @@ def test_group_m_only_for_experts_past_the_l2():
         small = choose_config(rows, 8, 8, device=h200, expert_bytes=GROUP_M_MIN_EXPERT_BYTES - 1)
         assert big.group_m == tuned.group_m, (limit, big)
         assert small == dataclasses.replace(big, group_m=1), (limit, small)
+
+
+def test_large_experts_take_128_row_tiles_past_32_rows(monkeypatch):
+    """On an sm_90 GPU with the Gluon GEMMs, experts of TILE128_MIN_EXPERT_BYTES or more at more than
+    TILE128_MIN_ROWS rows an expert take the table's first 128-row tiles where its own bucket has fewer rows; smaller
+    experts, fewer rows, a fused LoRA's columns, another GPU and ``MOELAB_GLUON=0`` keep the table's tiles."""
+    from moelab.kernels import gluon_gemm
+    from moelab.kernels.moe_gemm import (
+        CONFIG_BUCKETS,
+        TILE128_MIN_EXPERT_BYTES,
+        TILE128_MIN_ROWS,
+        DeviceLimits,
+        choose_config,
+    )
+
+    h200, a100 = DeviceLimits((9, 0), 232448), DeviceLimits((8, 0), 166912)
+    big = TILE128_MIN_EXPERT_BYTES
+    monkeypatch.setattr(gluon_gemm, "GLUON", True)  # as on the device (CPU boxes without Gluon have it off)
+
+    def table(rows):
+        return next(c for limit, c in CONFIG_BUCKETS if rows <= limit)
+
+    def tile(rows, **kw):  # T * K / E_local = rows with K = 1 and 16 local experts
+        return choose_config(rows * 16, 1, 16, **{"device": h200, "expert_bytes": big, **kw}).block_m
+
+    moved = [rows for rows in (33, 48, 64) if table(rows).block_m < 128]
+    assert moved, "the table has 128-row tiles from 33 rows an expert: this test checks nothing"
+    for rows in moved:
+        assert tile(rows) == 128, rows
+        assert tile(rows, expert_bytes=big - 1) == table(rows).block_m, rows
+        assert choose_config(rows * 16, 1, 16, device=h200, expert_bytes=big, lora_columns=16).block_m < 128, rows
+        assert tile(rows, device=a100) == table(rows).block_m, rows
+    for rows in (1, 16, TILE128_MIN_ROWS):
+        assert tile(rows) == table(rows).block_m, rows
+    monkeypatch.setattr(gluon_gemm, "GLUON", False)
+    assert all(tile(rows) == table(rows).block_m for rows in moved)

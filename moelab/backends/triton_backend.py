@@ -346,7 +346,8 @@ def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_expert
     x = hidden_states
     if do_finalize and gemm1_lora_delta is None:
         return [x.new_empty(T, H), *_no_intermediates(x, routing, H, two_i // 2)]
-    tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device).block_m
+    tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device,
+                         expert_bytes=_expert_bytes(w13, w2)).block_m  # the pipeline's tile (its _layout)
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
             routing.new_empty(T * K, dtype=torch.int32),

@@ -106,6 +106,17 @@ TUNED_CONFIGS = {(9, 0): CONFIG_BUCKETS}
 #: rows an expert, scripts/tune_moe.py at 755c443), read 0.99x with group_m = 8 (25534 against 25743 µs): within 1 %,
 #: so they keep group_m = 1.
 GROUP_M_MIN_EXPERT_BYTES = 128 << 20
+#: Large experts at 33-64 rows an expert (the table's 64-row bucket) take the table's 128-row tiles instead where the
+#: Gluon GEMMs run them (sm_90): one 128-row tile an expert, its weights streamed by the persistent kernels' TMA
+#: rings. H100, 2026-12-06, ``scripts/tma_ab.py --modes rule,tiles128`` (a ``routed_moe`` call, graph / eager, the
+#: 128-row tiles against the table's 64-row ones): Llama-4-Scout's experts (E16 K1 H5120 I8192, 252 MB an expert)
+#: at 64 rows 0.82x (1467 against 1795 µs, where torch ``grouped_mm`` read 1694) and Mixtral (352 MB) at 64 rows
+#: 0.76x (1006 against 1315), but E128 K8 H4096 I1536 (38 MB) at 64 rows 1.00-1.01x, Qwen3-30B-A3B (9 MB) at 64
+#: rows 1.03x and at 16 rows 1.09x, and Scout at 32 rows 1.04x. The bound sits at the geometric middle of 38 and
+#: 252 MB; DeepSeek-V3's 88 MB and GPT-OSS-20B's 50 MB experts, below it, were not measured.
+TILE128_MIN_EXPERT_BYTES = 96 << 20
+#: The rows an expert from which such experts take the 128-row tiles (above the 32-row point where Scout lost).
+TILE128_MIN_ROWS = 32
 #: Shared memory kept free of the pipeline's stages for the epilogue, and with the fused LoRA's expand operands
 #: beside them (measured on the H200, 227 KB a block: 200 KB of stages ran, and 216 KB with the operands).
 _EPILOGUE_RESERVE = 27 * 1024
@@ -222,6 +233,9 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
+    if (cfg.block_m < 128 and rows_per_expert > TILE128_MIN_ROWS and expert_bytes >= TILE128_MIN_EXPERT_BYTES
+            and not lora_columns and gluon_gemm.GLUON and device.capability == (9, 0)):
+        cfg = next(c for _, c in buckets if c.block_m >= 128)  # the Gluon GEMMs' tiles (TILE128_MIN_EXPERT_BYTES)
     return as_launched(cfg, torch.finfo(dtype).bits // 8, device.shared_memory, lora_columns, lora_own, expert_bytes)
 
 
