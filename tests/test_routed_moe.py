@@ -326,6 +326,40 @@ def test_triton_routed_moe_under_torch_compile(device):
                           (ids, w, x, w13, w2, E, 0, None, True), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("activation, gated, on_input, gluon", [
+    ("silu", True, False, True), ("swigluoai", True, False, True), ("gelu", True, False, False),
+    ("silu", False, False, False), ("silu", True, True, False)])
+def test_pipeline_and_its_fake_ask_the_tile_table_alike(activation, gated, on_input, gluon, monkeypatch, device):
+    """The pipeline and its torch.compile fake ask the tile table with the same experts' bytes and the same answer to
+    "does the Gluon GEMM1 run this activation and input" (a gated activation of ``gluon_gemm.ACTIVATIONS``, no router
+    weight on the input), which sets the tiles of large experts (``moe_gemm.TILE128_MIN_EXPERT_BYTES``), so the
+    fake's buffer shapes stay the real op's."""
+    from moelab.backends import triton_backend
+
+    if "triton" not in moelab.available_backends(device):
+        pytest.skip("no triton on this machine")
+    T, K, E, H, I = 6, 2, 4, 32, 16
+    x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
+    weights = moelab.prepare_weights(w13 if gated else w13[:, I:], w2, backend="triton", activation=activation,
+                                     gated=gated)
+    asked = []
+    table = triton_backend.choose_config
+    monkeypatch.setattr(triton_backend, "choose_config",
+                        lambda *a, **k: asked.append((k["expert_bytes"], k["gluon_activation"])) or table(*a, **k))
+    triton_backend._layout.cache_clear()
+    try:
+        real = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K, do_finalize=False, validate=False,
+                                 apply_router_weight_on_input=on_input)
+    finally:
+        triton_backend._layout.cache_clear()
+    w13p, w2p = weights.gemm1_weights, weights.gemm2_weights
+    fake = triton_backend._routed_moe_fake(ids, w, x, w13p, w2p, E, 0, None, False, activation, gated,
+                                           weight_on_input=on_input)
+    expert_bytes = (w13p[0].numel() + w2p[0].numel()) * w13p.element_size()
+    assert asked == [(expert_bytes, gluon)] * 2
+    assert fake[1].shape == real[0].shape and fake[2].shape == real[2].shape  # gemm2 rows [R, H], e2p [T*K]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
 def test_triton_routed_moe_cuda_graph_capture_and_replay():
     T, K, E, H, I, device = 16, 4, 8, 64, 32, "cuda"

@@ -202,6 +202,13 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
     return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and (T == 1 or slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES)
 
 
+def _gluon_activation(expert: dict, weight_on_input: bool) -> bool:
+    """Whether the Gluon GEMM1 runs these experts' activation (the activation keywords ``expert``; empty: SwiGLU)
+    and input: a gated activation of ``gluon_gemm.ACTIVATIONS``, no router weight on the input."""
+    return (expert.get("activation", "silu") in gluon_gemm.ACTIVATIONS and expert.get("gated", True)
+            and not weight_on_input)
+
+
 def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
     """Bytes of one local expert's w13 and w2 (shape arithmetic: ``w13[0]`` would build a view, ~8 µs of host)."""
     return (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]) * w13.element_size()
@@ -248,7 +255,8 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
         lora_columns = fused_lora.own_rank_pad(lora.bank) if lora.adapter_loop else math.prod(lora.bank.stacked_pads)
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
-                                               config, lora is not None and lora.adapter_loop, expert_bytes)
+                                               config, lora is not None and lora.adapter_loop, expert_bytes,
+                                               _gluon_activation(expert, weight_on_input))
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
@@ -308,12 +316,13 @@ def _no_intermediates(x: torch.Tensor, routing: torch.Tensor, H: int, I: int) ->
 @functools.lru_cache(maxsize=4096)
 def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
             device: torch.device, config: GemmConfig | None,
-            lora_own: bool = False, expert_bytes: int = 0) -> tuple[GemmConfig, int, int, int]:
+            lora_own: bool = False, expert_bytes: int = 0,
+            gluon_activation: bool = True) -> tuple[GemmConfig, int, int, int]:
     """The pipeline's host arithmetic, computed once per shape (decode calls are host-bound): the tile config
     (``config``, else :func:`choose_config`'s for experts of ``expert_bytes``), the rows of the act and gemm2
     buffers (FlashInfer's sizes) and the rows live data can reach."""
     cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device, lora_own=lora_own,
-                                  expert_bytes=expert_bytes)
+                                  expert_bytes=expert_bytes, gluon_activation=gluon_activation)
     return (cfg, permuted_rows(T, K, num_experts, cfg.block_m, I), permuted_rows(T, K, num_experts, cfg.block_m, H),
             max_live_rows(T * K, E_local, cfg.block_m))
 
@@ -347,7 +356,9 @@ def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_expert
     if do_finalize and gemm1_lora_delta is None:
         return [x.new_empty(T, H), *_no_intermediates(x, routing, H, two_i // 2)]
     tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device,
-                         expert_bytes=_expert_bytes(w13, w2)).block_m  # the pipeline's tile (its _layout)
+                         expert_bytes=_expert_bytes(w13, w2),  # the pipeline's tile (its _layout)
+                         gluon_activation=_gluon_activation(dict(activation=activation, gated=gated),
+                                                            weight_on_input)).block_m
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
             routing.new_empty(T * K, dtype=torch.int32),
