@@ -124,7 +124,7 @@ def test_group_m_only_for_experts_past_the_l2():
 def test_large_experts_take_128_row_tiles_past_32_rows(monkeypatch):
     """On an sm_90 GPU with the Gluon GEMMs, experts of TILE128_MIN_EXPERT_BYTES or more at more than
     TILE128_MIN_ROWS rows an expert take the table's first 128-row tiles where its own bucket has fewer rows; smaller
-    experts, fewer rows, a fused LoRA's columns, another GPU, fp32, an activation the Gluon GEMM1 does not run and
+    experts, fewer rows, a fused LoRA's columns, another GPU, fp32, a call the Gluon GEMMs do not take and
     ``MOELAB_GLUON=0`` keep the table's tiles."""
     from moelab.kernels import gluon_gemm
     from moelab.kernels.moe_gemm import (
@@ -143,17 +143,19 @@ def test_large_experts_take_128_row_tiles_past_32_rows(monkeypatch):
         return next(c for limit, c in CONFIG_BUCKETS if rows <= limit)
 
     def tile(rows, **kw):  # T * K / E_local = rows with K = 1 and 16 local experts
-        return choose_config(rows * 16, 1, 16, **{"device": h200, "expert_bytes": big, **kw}).block_m
+        return choose_config(rows * 16, 1, 16, **{"device": h200, "expert_bytes": big, "gluon_call": True,
+                                                  **kw}).block_m
 
     moved = [rows for rows in (33, 48, 64) if table(rows).block_m < 128]
     assert moved, "the table has 128-row tiles from 33 rows an expert: this test checks nothing"
     for rows in moved:
         assert tile(rows) == 128, rows
         assert tile(rows, expert_bytes=big - 1) == table(rows).block_m, rows
-        assert choose_config(rows * 16, 1, 16, device=h200, expert_bytes=big, lora_columns=16).block_m < 128, rows
+        assert tile(rows, lora_columns=16) < 128, rows
+        assert tile(rows, dtype=torch.float16) == 128, rows
         assert tile(rows, device=a100) == table(rows).block_m, rows
         assert tile(rows, dtype=torch.float32) == table(rows).block_m, rows  # the Gluon GEMMs take 2-byte dtypes
-        assert tile(rows, gluon_activation=False) == table(rows).block_m, rows  # e.g. Llama-4's weight on the input
+        assert tile(rows, gluon_call=False) == table(rows).block_m, rows  # e.g. Llama-4's weight on the input
     for rows in (1, 16, TILE128_MIN_ROWS):
         assert tile(rows) == table(rows).block_m, rows
     monkeypatch.setattr(gluon_gemm, "GLUON", False)

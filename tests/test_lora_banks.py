@@ -135,6 +135,13 @@ def test_whole_pairs_only_over_rows_sorted_by_adapter(monkeypatch, device):
     (lora,) = kept
     assert not lora.segments.token_ordered and not lora.shrink_meta["PAIRS"]
     assert_close_to_reference(out, ref["output"], torch.float32, "output")
+    # Segments sorted by adapter where the pipeline's own rule would not sort (few rows an expert): whole pairs
+    E, ids32, lora_ids32 = MODES["tiles"]["E"], ids.to(torch.int32), lora_ids.to(torch.int32).contiguous()
+    assert not fused_lora.sorts_by_adapter(ids.numel(), E, experts.lora.max_loras, lora.sub_m)
+    seg = fused_lora.adapter_sorted_segments(ids32, lora_ids32, experts.lora.max_loras, E, lora.segments.tile, 0, {})
+    by_adapter = original(x, experts.lora, lora_ids32, w.float().contiguous(), seg, top_k=ids.shape[1],
+                          num_local_experts=E, pdl={})
+    assert seg.token_ordered and by_adapter.shrink_meta["PAIRS"]
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -326,26 +326,26 @@ def test_triton_routed_moe_under_torch_compile(device):
                           (ids, w, x, w13, w2, E, 0, None, True), test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("activation, gated, on_input, gluon", [
-    ("silu", True, False, True), ("swigluoai", True, False, True), ("gelu", True, False, False),
-    ("silu", False, False, False), ("silu", True, True, False)])
-def test_pipeline_and_its_fake_ask_the_tile_table_alike(activation, gated, on_input, gluon, monkeypatch, device):
+@pytest.mark.parametrize("activation, gated, on_input, H, gluon", [
+    ("silu", True, False, 64, True), ("swigluoai", True, False, 64, True), ("gelu", True, False, 64, False),
+    ("silu", False, False, 64, False), ("silu", True, True, 64, False), ("silu", True, False, 48, False)])
+def test_pipeline_and_its_fake_ask_the_tile_table_alike(activation, gated, on_input, H, gluon, monkeypatch, device):
     """The pipeline and its torch.compile fake ask the tile table with the same experts' bytes and the same answer to
-    "does the Gluon GEMM1 run this activation and input" (a gated activation of ``gluon_gemm.ACTIVATIONS``, no router
-    weight on the input), which sets the tiles of large experts (``moe_gemm.TILE128_MIN_EXPERT_BYTES``), so the
-    fake's buffer shapes stay the real op's."""
+    "do the Gluon GEMMs take this call" (a gated activation of ``gluon_gemm.ACTIVATIONS``, no router weight on the
+    input, H a multiple of their BLOCK_K, ...), which sets the tiles of large experts
+    (``moe_gemm.TILE128_MIN_EXPERT_BYTES``), so the fake's buffer shapes stay the real op's."""
     from moelab.backends import triton_backend
 
     if "triton" not in moelab.available_backends(device):
         pytest.skip("no triton on this machine")
-    T, K, E, H, I = 6, 2, 4, 32, 16
+    T, K, E, I = 6, 2, 4, 16
     x, ids, w, w13, w2 = make_problem(T, K, E, H, I, torch.float32, device)
     weights = moelab.prepare_weights(w13 if gated else w13[:, I:], w2, backend="triton", activation=activation,
                                      gated=gated)
     asked = []
     table = triton_backend.choose_config
     monkeypatch.setattr(triton_backend, "choose_config",
-                        lambda *a, **k: asked.append((k["expert_bytes"], k["gluon_activation"])) or table(*a, **k))
+                        lambda *a, **k: asked.append((k["expert_bytes"], k["gluon_call"])) or table(*a, **k))
     triton_backend._layout.cache_clear()
     try:
         real = moelab.routed_moe((ids, w), x, weights, num_experts=E, top_k=K, do_finalize=False, validate=False,

@@ -202,11 +202,16 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
     return slots <= TOKEN_MAJOR_MAX_SLOTS and few_shared and (T == 1 or slots * expert_bytes <= TOKEN_MAJOR_MAX_BYTES)
 
 
-def _gluon_activation(expert: dict, weight_on_input: bool) -> bool:
-    """Whether the Gluon GEMM1 runs these experts' activation (the activation keywords ``expert``; empty: SwiGLU)
-    and input: a gated activation of ``gluon_gemm.ACTIVATIONS``, no router weight on the input."""
+def _gluon_call(expert: dict, weight_on_input: bool, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the Gluon GEMMs take this call on 128-row tiles, as far as its shapes and strides tell (the same in
+    the fake: no pointer's alignment): a gated activation of ``gluon_gemm.ACTIVATIONS`` (the activation keywords
+    ``expert``; empty: SwiGLU), no router weight on the input, contiguous weights, H a multiple of GEMM1's BLOCK_K,
+    16-byte rows of x and of the [R, I] activation (``gluon_gemm.takes_gluon_gemm1`` has the last word)."""
+    H, I = w2.shape[1], w2.shape[2]
     return (expert.get("activation", "silu") in gluon_gemm.ACTIVATIONS and expert.get("gated", True)
-            and not weight_on_input)
+            and not weight_on_input and w13.is_contiguous() and w2.is_contiguous()
+            and H % gluon_gemm.GEMM1_WS_TILE[1] == 0 and (I * w2.element_size()) % 16 == 0
+            and x.stride(-1) == 1 and x.stride(0) % 16 == 0)
 
 
 def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
@@ -256,7 +261,7 @@ def _pipeline(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: tor
     device = x.device
     cfg, act_rows, gemm2_rows, reach = _layout(T, K, E_local, I, H, num_experts, x.dtype, lora_columns, device,
                                                config, lora is not None and lora.adapter_loop, expert_bytes,
-                                               _gluon_activation(expert, weight_on_input))
+                                               _gluon_call(expert, weight_on_input, x, w13, w2))
     pdl = _runtime.pdl_launch(device)  # in a CUDA graph, each kernel is scheduled as the previous one ends
     act = torch.empty(act_rows, I, dtype=x.dtype, device=device)
     gemm2_out = torch.empty(gemm2_rows, H, dtype=x.dtype, device=device)
@@ -317,12 +322,12 @@ def _no_intermediates(x: torch.Tensor, routing: torch.Tensor, H: int, I: int) ->
 def _layout(T: int, K: int, E_local: int, I: int, H: int, num_experts: int, dtype: torch.dtype, lora_columns: int,
             device: torch.device, config: GemmConfig | None,
             lora_own: bool = False, expert_bytes: int = 0,
-            gluon_activation: bool = True) -> tuple[GemmConfig, int, int, int]:
+            gluon_call: bool = False) -> tuple[GemmConfig, int, int, int]:
     """The pipeline's host arithmetic, computed once per shape (decode calls are host-bound): the tile config
     (``config``, else :func:`choose_config`'s for experts of ``expert_bytes``), the rows of the act and gemm2
     buffers (FlashInfer's sizes) and the rows live data can reach."""
     cfg = config or choose_config(T, K, E_local, dtype, lora_columns, device=device, lora_own=lora_own,
-                                  expert_bytes=expert_bytes, gluon_activation=gluon_activation)
+                                  expert_bytes=expert_bytes, gluon_call=gluon_call)
     return (cfg, permuted_rows(T, K, num_experts, cfg.block_m, I), permuted_rows(T, K, num_experts, cfg.block_m, H),
             max_live_rows(T * K, E_local, cfg.block_m))
 
@@ -357,8 +362,8 @@ def _routed_moe_fake(routing, expert_weights, hidden_states, w13, w2, num_expert
         return [x.new_empty(T, H), *_no_intermediates(x, routing, H, two_i // 2)]
     tile = choose_config(T, K, E_local, hidden_states.dtype, device=hidden_states.device,
                          expert_bytes=_expert_bytes(w13, w2),  # the pipeline's tile (its _layout)
-                         gluon_activation=_gluon_activation(dict(activation=activation, gated=gated),
-                                                            weight_on_input)).block_m
+                         gluon_call=_gluon_call(dict(activation=activation, gated=gated), weight_on_input,
+                                                hidden_states, w13, w2)).block_m
     return [x.new_empty(T, H if do_finalize else 0),
             x.new_empty(permuted_rows(T, K, num_experts, tile, H), H),
             routing.new_empty(T * K, dtype=torch.int32),

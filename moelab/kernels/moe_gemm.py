@@ -114,8 +114,11 @@ GROUP_M_MIN_EXPERT_BYTES = 128 << 20
 #: 0.76x (1006 against 1315), but E128 K8 H4096 I1536 (38 MB) at 64 rows 1.00-1.01x, Qwen3-30B-A3B (9 MB) at 64
 #: rows 1.03x and at 16 rows 1.09x, and Scout at 32 rows 1.04x. The bound sits at the geometric middle of 38 and
 #: 252 MB; DeepSeek-V3's 88 MB and GPT-OSS-20B's 50 MB experts, below it, were not measured. Only where the Gluon
-#: GEMMs would run both GEMMs (bf16 or fp16, a gated activation of theirs, no router weight on the input): the
-#: Triton kernels on such tiles were not measured.
+#: GEMMs would run both GEMMs (bf16 or fp16, a gated activation of theirs, no router weight on the input, operands
+#: of the shapes and strides they take; not with a fused LoRA's columns): the Triton kernels on such tiles were not
+#: measured. The outputs were bitwise equal to the 64-row tiles' at every point of that A/B, so a ``LoRAExperts``
+#: batch without adapters (the base call, which takes these tiles) keeps the rows its batches with a fused bank
+#: (64-row tiles) give tokens without one.
 TILE128_MIN_EXPERT_BYTES = 96 << 20
 #: The rows an expert from which such experts take the 128-row tiles (above the 32-row point where Scout lost).
 TILE128_MIN_ROWS = 32
@@ -215,7 +218,7 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
                   dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0,
                   device: torch.device | DeviceLimits | None = None, lora_own: bool = False,
-                  expert_bytes: int = 0, gluon_activation: bool = True) -> GemmConfig:
+                  expert_bytes: int = 0, gluon_call: bool = False) -> GemmConfig:
     """Tile sizes by rows per local expert, from the tuned table of the device's compute capability. Decode is
     weight-bandwidth bound (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for
     tensor-core reuse). The pipeline's depth then shrinks to the device's shared memory (fp32 operands take twice
@@ -227,9 +230,9 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     growth. ``lora_own``: ``lora_columns`` is the adapter loop's R_PAD (see :func:`shared_memory_bytes`).
     ``device``: a CUDA device (default: the current one) or its :class:`DeviceLimits`. ``expert_bytes``: one local
     expert's w13 and w2 bytes; the bucket's ``group_m`` holds only from GROUP_M_MIN_EXPERT_BYTES on.
-    ``gluon_activation``: the experts' activation is one the Gluon GEMM1 runs (a gated activation of
-    ``gluon_gemm.ACTIVATIONS``, no router weight on the input); with a 2-byte ``dtype`` and ``expert_bytes`` of
-    TILE128_MIN_EXPERT_BYTES or more such calls take 128-row tiles from TILE128_MIN_ROWS rows an expert on."""
+    ``gluon_call``: the call's experts and operands are ones the Gluon GEMMs take on 128-row tiles (the pipeline's
+    ``_gluon_call``); with a 2-byte ``dtype`` and ``expert_bytes`` of TILE128_MIN_EXPERT_BYTES or more such calls
+    take 128-row tiles above TILE128_MIN_ROWS rows an expert."""
     if not isinstance(device, DeviceLimits):
         if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
             return GemmConfig(16, 32, 32, 4, 1)
@@ -239,7 +242,7 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
     if (cfg.block_m < 128 and rows_per_expert > TILE128_MIN_ROWS and expert_bytes >= TILE128_MIN_EXPERT_BYTES
-            and not lora_columns and gluon_activation and dtype in (torch.bfloat16, torch.float16)
+            and not lora_columns and gluon_call and dtype in (torch.bfloat16, torch.float16)
             and gluon_gemm.GLUON and device.capability == (9, 0)):
         cfg = next(c for _, c in buckets if c.block_m >= 128)  # the Gluon GEMMs' tiles (TILE128_MIN_EXPERT_BYTES)
     return as_launched(cfg, torch.finfo(dtype).bits // 8, device.shared_memory, lora_columns, lora_own, expert_bytes)
