@@ -407,6 +407,40 @@ def test_gluon_gemms_with_a_fused_bank_match_the_reference(T, E, K, H, I, ranks,
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+def test_large_experts_base_rows_stay_bitwise_across_their_tiles(monkeypatch):
+    """Experts of ``moe_gemm.TILE128_MIN_EXPERT_BYTES`` (lowered to these small experts) at 64 rows an expert: the
+    base call takes the 128-row tiles (the Gluon GEMMs), a ``LoRAExperts`` batch with a narrow stacked bank the
+    table's 64-row tiles (the Triton kernels with the bank); its tokens without an adapter must still get the base
+    call's rows bit for bit, and both calls match the float64 reference."""
+    from test_experts import make_bank, random_adapters
+
+    from moelab.backends import eager_graphs, triton_backend
+
+    T, E, K, H, I, ranks = 256, 8, 2, 512, 256, (16, 8)
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, 11)
+    monkeypatch.setattr(moe_gemm, "TILE128_MIN_EXPERT_BYTES", (w13[0].numel() + w2[0].numel()) * 2)
+    monkeypatch.setattr(eager_graphs, "ENABLED", False)  # each call runs its own launches
+    bank = make_bank(random_adapters(len(ranks), E, H, I, list(ranks), seed=11), E, 0, H, I, 16, torch.bfloat16,
+                     "cuda")
+    lora_ids = torch.arange(T, device="cuda") % len(ranks)
+    lora_ids[1::2] = -1
+    calls = _gluon_calls(monkeypatch, with_lora=True)
+    triton_backend._layout.cache_clear()
+    try:
+        experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton", fused="tiles")
+        out, base = lora_and_base_outputs(experts, x, weights, ids, lora_ids)
+    finally:
+        triton_backend._layout.cache_clear()
+    assert ("gemm1_swiglu_ws", "NoneType") in calls and ("gemm2_ws", "NoneType") in calls, calls
+    assert not any(lora == "TileLoRA" for _, lora in calls), f"the bank's call took 128-row tiles: {calls}"
+    ref = reference.lora_experts(x, weights, ids, lora_ids, w13, w2, bank)
+    assert_close_to_reference(out, ref["output"], torch.bfloat16, "output")
+    assert_close_to_reference(base, ref["base"], torch.bfloat16, "base")
+    none = lora_ids < 0
+    assert torch.equal(out[none], base[none]), "tokens without an adapter: the base rows bit for bit"
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
 @pytest.mark.parametrize("min_rows", [32, 10**6])
 def test_a_wide_bank_takes_the_gluon_adapter_loop_from_its_rows_per_pair(min_rows, monkeypatch):
     """Left to the module, a bank wider than the tile mode's 64 stacked columns runs the adapter loop inside the Gluon
