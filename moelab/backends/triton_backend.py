@@ -203,15 +203,11 @@ def takes_token_major(T: int, K: int, do_finalize: bool, has_delta: bool, captur
 
 
 def _gluon_call(expert: dict, weight_on_input: bool, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether the Gluon GEMMs take this call on 128-row tiles, as far as its shapes and strides tell (the same in
-    the fake: no pointer's alignment): a gated activation of ``gluon_gemm.ACTIVATIONS`` (the activation keywords
-    ``expert``; empty: SwiGLU), no router weight on the input, contiguous weights, H a multiple of GEMM1's BLOCK_K,
-    16-byte rows of x and of the [R, I] activation (``gluon_gemm.takes_gluon_gemm1`` has the last word)."""
-    H, I = w2.shape[1], w2.shape[2]
-    return (expert.get("activation", "silu") in gluon_gemm.ACTIVATIONS and expert.get("gated", True)
-            and not weight_on_input and w13.is_contiguous() and w2.is_contiguous()
-            and H % gluon_gemm.GEMM1_WS_TILE[1] == 0 and (I * w2.element_size()) % 16 == 0
-            and x.stride(-1) == 1 and x.stride(0) % 16 == 0)
+    """Whether the Gluon GEMMs take this call on 128-row tiles, as far as its experts (the activation keywords
+    ``expert``; empty: SwiGLU), shapes and strides tell (the same in the fake: no pointer's alignment;
+    ``gluon_gemm.takes_gluon_gemm1`` has the last word)."""
+    return (gluon_gemm.runs_activation(expert.get("activation", "silu"), expert.get("gated", True), weight_on_input)
+            and gluon_gemm.takes_shapes_of(x, w13, w2))
 
 
 def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:

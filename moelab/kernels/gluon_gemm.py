@@ -755,8 +755,27 @@ def gathers_rows_of(x: torch.Tensor, w13: torch.Tensor) -> bool:
     """Whether GEMM1 can gather the rows of ``x`` [T, H] by 16-byte copies against ``w13`` [E_local, 2I, H]: x of
     their dtype with a unit column stride, a row stride of a multiple of 16 elements and a 16-byte aligned base
     (what lets Triton prove the copies 16 bytes wide), and H a multiple of GEMM1_WS_TILE's BLOCK_K."""
-    return (w13.shape[-1] % GEMM1_WS_TILE[1] == 0 and x.dtype == w13.dtype and x.stride(-1) == 1
-            and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0)
+    return _gathered_shapes_ok(x, w13) and x.dtype == w13.dtype and x.data_ptr() % 16 == 0
+
+
+def _gathered_shapes_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """What of :func:`gathers_rows_of` the shapes and strides decide: H a multiple of GEMM1_WS_TILE's BLOCK_K, x of
+    a unit column stride and a row stride of a multiple of 16 elements."""
+    return w13.shape[-1] % GEMM1_WS_TILE[1] == 0 and x.stride(-1) == 1 and x.stride(0) % 16 == 0
+
+
+def runs_activation(activation: str, gated: bool, weight_on_input: bool) -> bool:
+    """Whether the Gluon GEMM1 runs these experts: a gated ``activation`` of ``ACTIVATIONS``, no router weight on
+    the input."""
+    return activation in ACTIVATIONS and gated and not weight_on_input
+
+
+def takes_shapes_of(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The part of :func:`takes_gluon_gemm1` and :func:`takes_gluon_gemm2` that the call's shapes and strides decide
+    (no pointer's alignment, so a fake tensor answers it too): contiguous weights, the gathered rows' shapes
+    (:func:`gathers_rows_of`) and 16-byte rows of the [R, I] activation."""
+    return (w13.is_contiguous() and w2.is_contiguous() and _gathered_shapes_ok(x, w13)
+            and (w2.shape[-1] * w2.element_size()) % 16 == 0)
 
 
 def _bias_ok(bias: torch.Tensor) -> bool:
@@ -816,7 +835,7 @@ def takes_gluon_gemm1(segments: Segments, block_m: int, x: torch.Tensor, w13: to
     ``input_weights``; a ``delta``
     contiguous, of their dtype, 16-byte aligned, with I a multiple of 16 (its rows are gathered by 16-byte copies
     too)."""
-    if activation not in ACTIVATIONS or not gated or input_weights is not None:
+    if not runs_activation(activation, gated, input_weights is not None):
         return False
     if bias is not None and not _bias_ok(bias):
         return False
