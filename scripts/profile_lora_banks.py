@@ -18,6 +18,7 @@ import argparse
 
 import torch
 from profile_lora_tm import kernel_times
+from tma_ab import tiles_of_at_least
 
 import moelab
 from moelab.backends import triton_backend
@@ -33,22 +34,6 @@ def mixed_bank(E: int, H: int, I: int, adapters: int, dev) -> moelab.LoRABank:
                  gate_b=torch.randn(E, I, r, device=dev) * 0.1, up_b=torch.randn(E, I, r, device=dev) * 0.1,
                  down_a=torch.randn(E, r, I, device=dev) / I**0.5, down_b=torch.randn(E, H, r, device=dev) * 0.1)
     return bank
-
-
-def loop_tiles_of_at_least(block_m: int) -> None:
-    """Make the adapter loop's tile config (``choose_config(..., lora_own=True)``) the table's first bucket above
-    its own whose tiles have ``block_m`` rows or more (``--loop-block-m``). Before any call: the pipeline caches
-    its layout per shape."""
-    table = triton_backend.choose_config
-
-    def choose(num_tokens, *args, lora_own=False, **kwargs):
-        cfg, tokens = table(num_tokens, *args, lora_own=lora_own, **kwargs), num_tokens
-        while lora_own and cfg.block_m < block_m and tokens < 1 << 24:
-            tokens *= 2
-            cfg = table(tokens, *args, lora_own=lora_own, **kwargs)
-        return cfg
-
-    triton_backend.choose_config = choose
 
 
 def calls_at(T: int, base, w13, w2, E: int, K: int, H: int, I: int, adapters: list[int], paths: list[str],
@@ -77,8 +62,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--loop-block-m", type=int, default=0)
     a = p.parse_args()
-    if a.loop_block_m:
-        loop_tiles_of_at_least(a.loop_block_m)
+    if a.loop_block_m:  # before any call: the pipeline caches its layout per shape
+        triton_backend.choose_config = tiles_of_at_least(a.loop_block_m, lora_own_only=True)
     torch.manual_seed(0)  # the same weights, routing and adapter ids for every tree this script profiles
     s, dev = get_shape(a.shape), torch.device("cuda")
     E, K, H, I = s.E, s.K, s.H, s.I

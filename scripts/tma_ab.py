@@ -50,11 +50,12 @@ WS_SETTINGS = {"ws-gemm1-tma": RULE | dict(TMA_MIN_HI=0)}  # the rest run the ru
 _TABLE = triton_backend.choose_config
 
 
-def _tiles_of_at_least(block_m: int):
-    """The tile table's config, or its first bucket above with tiles of ``block_m`` rows or more."""
+def tiles_of_at_least(block_m: int, lora_own_only: bool = False):
+    """A ``choose_config`` giving the tile table's config, or its first bucket above with tiles of ``block_m`` rows
+    or more (``lora_own_only``: only for the adapter loop's calls, ``lora_own=True``; the others keep the table's)."""
     def choose(num_tokens, *args, **kwargs):
         cfg, tokens = _TABLE(num_tokens, *args, **kwargs), num_tokens
-        while cfg.block_m < block_m and tokens < 1 << 24:
+        while (kwargs.get("lora_own") or not lora_own_only) and cfg.block_m < block_m and tokens < 1 << 24:
             tokens *= 2
             cfg = _TABLE(tokens, *args, **kwargs)
         return cfg
@@ -63,10 +64,10 @@ def _tiles_of_at_least(block_m: int):
 
 def apply_settings(settings: dict) -> None:
     """Set these ``moe_gemm`` module attributes (a mode of ``MODES``, or any such dict); ``MIN_BLOCK_M``: the
-    pipeline's tiles (:func:`_tiles_of_at_least`; its layout cache cleared)."""
+    pipeline's tiles (:func:`tiles_of_at_least`; its layout cache cleared)."""
     settings = dict(settings)
     min_block_m = settings.pop("MIN_BLOCK_M", 0)
-    triton_backend.choose_config = _tiles_of_at_least(min_block_m) if min_block_m else _TABLE
+    triton_backend.choose_config = tiles_of_at_least(min_block_m) if min_block_m else _TABLE
     triton_backend._layout.cache_clear()
     for key, value in settings.items():
         setattr(moe_gemm, key, value)
