@@ -18,13 +18,14 @@ table; ``--json`` writes the rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from token_major_ab import _call, _inputs, _layer, write_rows  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 from moelab.backends import triton_backend
 from moelab.bench.cli import _split_shapes
-from moelab.kernels import moe_gemm
+from moelab.kernels import gluon_gemm, moe_gemm
 from moelab.lab import rel_err
 from moelab.roofline import get_shape, graphed, median_us
 
@@ -38,7 +39,12 @@ RULE = dict(TMA=True, TMA_MIN_BLOCK_M=moe_gemm.TMA_MIN_BLOCK_M, TMA_MIN_HI=moe_g
 MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOELAB_TMA=0 gives at HEAD
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
          "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
-         "tiles128": RULE | dict(MIN_BLOCK_M=128)}
+         "tiles128": RULE | dict(MIN_BLOCK_M=128),
+         "grid-tiles": RULE | dict(PERSISTENT=False), "group2": RULE | dict(GROUP_M=2),
+         "grid-tiles-group2": RULE | dict(PERSISTENT=False, GROUP_M=2), "group8": RULE | dict(GROUP_M=8)}
+#: "grid-tiles": the Gluon GEMMs launch one program a tile instead of one a multiprocessor
+#: (``gluon_gemm.PERSISTENT``); "groupN": tiles of 128 rows or more take the tile order group_m = N on every
+#: expert size (two row tiles of one expert, the second often a few rows past 128, then run side by side).
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's;
 #: "ws-gemm1-tma": GEMM1's weight tiles through TMA on every expert size (TMA_MIN_HI 0) and its K loop warp
 #: specialised, GEMM2's not.
@@ -62,12 +68,24 @@ def tiles_of_at_least(block_m: int, lora_own_only: bool = False):
     return choose
 
 
+def group_of(group_m: int, choose):
+    """``choose`` with group_m = ``group_m`` on its tiles of 128 rows or more."""
+    def grouped(*args, **kwargs):
+        cfg = choose(*args, **kwargs)
+        return dataclasses.replace(cfg, group_m=group_m) if cfg.block_m >= 128 else cfg
+    return grouped
+
+
 def apply_settings(settings: dict) -> None:
     """Set these ``moe_gemm`` module attributes (a mode of ``MODES``, or any such dict); ``MIN_BLOCK_M``: the
-    pipeline's tiles (:func:`tiles_of_at_least`; its layout cache cleared)."""
+    pipeline's tiles (:func:`tiles_of_at_least`), ``GROUP_M``: their tile order (:func:`group_of`; the layout cache
+    cleared for both), ``PERSISTENT``: ``gluon_gemm.PERSISTENT``."""
     settings = dict(settings)
     min_block_m = settings.pop("MIN_BLOCK_M", 0)
-    triton_backend.choose_config = tiles_of_at_least(min_block_m) if min_block_m else _TABLE
+    group_m = settings.pop("GROUP_M", 0)
+    gluon_gemm.PERSISTENT = settings.pop("PERSISTENT", True)
+    choose = tiles_of_at_least(min_block_m) if min_block_m else _TABLE
+    triton_backend.choose_config = group_of(group_m, choose) if group_m else choose
     triton_backend._layout.cache_clear()
     for key, value in settings.items():
         setattr(moe_gemm, key, value)

@@ -78,6 +78,9 @@ GEMM1_WS_TILE = (128, 64, 4)
 #: Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B and Mixtral (T = 4096, 16384; 6b9a3f9); at 96-128 rows (T = 1024)
 #: 0.96x on OLMoE, 0.98x on E64 K6, 1.00x on GPT-OSS-20B; Mixtral at 256 rows (T = 1024) 1.14x (7f8eec3).
 GEMM1_THREE_STAGES_GROUPED_ROWS = 512
+#: One program a multiprocessor, each walking every num_programs-th tile (True); False: one program a tile, which the
+#: hardware hands out in tile order as multiprocessors free up (an experiment's switch, scripts/tma_ab.py).
+PERSISTENT = True
 
 
 #: The gated activations GEMM1's epilogue runs (``moelab.prepare_weights``' names), each with or without a
@@ -818,7 +821,7 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     w_desc = _descriptor(w2.view(E_local * H, I), [block_n, block_k])
     out_desc = _descriptor(out[:reach], [block_m, block_n])
     num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
-    grid = (min(num_tiles, _multiprocessors(w2.device)),)
+    grid = (min(num_tiles, _multiprocessors(w2.device)) if PERSISTENT else num_tiles,)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
                            I, **_lora_args(lora, 2, act), bias_ptr=bias if bias is not None else act,
                            row_to_slot_ptr=segments.row_to_slot, STAGES=stages, GROUP_M=group_m,
@@ -874,7 +877,7 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     w_desc = _descriptor(w13.view(E_local * two_i, H), [block_n, block_k])
     out_desc = _descriptor(act[:reach], [block_m, block_n])
     num_tiles = cdiv(reach, block_m) * cdiv(I, block_n)
-    grid = (min(num_tiles, _multiprocessors(w13.device)),)
+    grid = (min(num_tiles, _multiprocessors(w13.device)) if PERSISTENT else num_tiles,)
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
                                   delta if delta is not None else x, two_i,
