@@ -40,10 +40,11 @@ MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOE
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
          "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
          "tiles128": RULE | dict(MIN_BLOCK_M=128),
-         "grid-tiles": RULE | dict(PERSISTENT=False), "group2": RULE | dict(GROUP_M=2),
-         "grid-tiles-group2": RULE | dict(PERSISTENT=False, GROUP_M=2), "group8": RULE | dict(GROUP_M=8)}
-#: "grid-tiles": the Gluon GEMMs launch one program a tile instead of one a multiprocessor
-#: (``gluon_gemm.PERSISTENT``); "groupN": tiles of 128 rows or more take the tile order group_m = N on every
+         "grid-tiles": RULE | dict(TILE_SCHEDULE="grid"), "dynamic": RULE | dict(TILE_SCHEDULE="dynamic"),
+         "group2": RULE | dict(GROUP_M=2), "grid-tiles-group2": RULE | dict(TILE_SCHEDULE="grid", GROUP_M=2),
+         "dynamic-group2": RULE | dict(TILE_SCHEDULE="dynamic", GROUP_M=2), "group8": RULE | dict(GROUP_M=8)}
+#: "grid-tiles", "dynamic": the Gluon GEMMs' tile schedule (``gluon_gemm.TILE_SCHEDULE``: one program a tile, or
+#: tiles claimed from a counter); "groupN": tiles of 128 rows or more take the tile order group_m = N on every
 #: expert size (two row tiles of one expert, the second often a few rows past 128, then run side by side).
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's;
 #: "ws-gemm1-tma": GEMM1's weight tiles through TMA on every expert size (TMA_MIN_HI 0) and its K loop warp
@@ -79,11 +80,11 @@ def group_of(group_m: int, choose):
 def apply_settings(settings: dict) -> None:
     """Set these ``moe_gemm`` module attributes (a mode of ``MODES``, or any such dict); ``MIN_BLOCK_M``: the
     pipeline's tiles (:func:`tiles_of_at_least`), ``GROUP_M``: their tile order (:func:`group_of`; the layout cache
-    cleared for both), ``PERSISTENT``: ``gluon_gemm.PERSISTENT``."""
+    cleared for both), ``TILE_SCHEDULE``: ``gluon_gemm.TILE_SCHEDULE``."""
     settings = dict(settings)
     min_block_m = settings.pop("MIN_BLOCK_M", 0)
     group_m = settings.pop("GROUP_M", 0)
-    gluon_gemm.PERSISTENT = settings.pop("PERSISTENT", True)
+    gluon_gemm.TILE_SCHEDULE = settings.pop("TILE_SCHEDULE", "static")
     choose = tiles_of_at_least(min_block_m) if min_block_m else _TABLE
     triton_backend.choose_config = group_of(group_m, choose) if group_m else choose
     triton_backend._layout.cache_clear()

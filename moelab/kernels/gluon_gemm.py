@@ -78,9 +78,11 @@ GEMM1_WS_TILE = (128, 64, 4)
 #: Qwen3-30B-A3B, OLMoE, E64 K6, GPT-OSS-20B and Mixtral (T = 4096, 16384; 6b9a3f9); at 96-128 rows (T = 1024)
 #: 0.96x on OLMoE, 0.98x on E64 K6, 1.00x on GPT-OSS-20B; Mixtral at 256 rows (T = 1024) 1.14x (7f8eec3).
 GEMM1_THREE_STAGES_GROUPED_ROWS = 512
-#: One program a multiprocessor, each walking every num_programs-th tile (True); False: one program a tile, which the
-#: hardware hands out in tile order as multiprocessors free up (an experiment's switch, scripts/tma_ab.py).
-PERSISTENT = True
+#: How the programs share the output tiles: "static" (one program a multiprocessor, each walking every
+#: num_programs-th tile), "dynamic" (one a multiprocessor, each claiming the next tile from a counter once its loads
+#: of the last are issued, so tiles start in order whatever each program's pace) or "grid" (one program a tile, which
+#: the hardware hands out in order as multiprocessors free up). An experiment's switch (scripts/tma_ab.py).
+TILE_SCHEDULE = "static"
 
 
 #: The gated activations GEMM1's epilogue runs (``moelab.prepare_weights``' names), each with or without a
@@ -294,6 +296,46 @@ if gluon is not None:
         return pid_m, pid_n, expert
 
     @gluon.jit
+    def _tile_ring():
+        """Two shared-memory slots for the tile ids a dynamic schedule's load partition claims, and their ``full``
+        (the load partition's arrival) and ``empty`` (the MMA partition's) mbarriers."""
+        ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return ids, full, empty
+
+    @gluon.jit
+    def _claim_tile(counter_ptr, ids, full, empty, j, DYNAMIC: gl.constexpr):
+        """The load partition's ``j``-th output tile: the next of the counter, handed to the MMA partition through
+        slot j % 2 of the tile ring (DYNAMIC), or every num_programs-th from the program's own."""
+        if DYNAMIC:
+            s = j % 2
+            mbarrier.wait(empty.index(s), ((j // 2) & 1) ^ 1)
+            t = gl.atomic_add(counter_ptr, 1)
+            ids.index(s).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+            _partition_barrier()
+            mbarrier.arrive(full.index(s))
+        else:
+            t = gl.program_id(0) + j * gl.num_programs(0)
+        return t
+
+    @gluon.jit
+    def _take_tile(ids, full, empty, j, DYNAMIC: gl.constexpr):
+        """The MMA partition's ``j``-th output tile, the one :func:`_claim_tile` gave the load partition."""
+        if DYNAMIC:
+            s = j % 2
+            mbarrier.wait(full.index(s), (j // 2) & 1)
+            t = gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+            _partition_barrier()  # every warp has read the slot before it goes back
+            mbarrier.arrive(empty.index(s))
+        else:
+            t = gl.program_id(0) + j * gl.num_programs(0)
+        return t
+
+    @gluon.jit
     def _stage_barriers(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
         """The ring's mbarriers, one pair a stage: ``ready`` (READY_ARRIVALS arrivals, the TMA's among them)
         and ``empty`` (the MMA partition's one)."""
@@ -328,15 +370,18 @@ if gluon is not None:
     def _gemm2_load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr, num_live_blocks,
                               num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts,
                               num_loras, row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max,
-                              GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
-                              COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
+                              tile_counter_ptr, tile_ids, tiles_full, tiles_empty, GROUP_M: gl.constexpr,
+                              LORA: gl.constexpr, MAX_RANK: gl.constexpr, R_PAD: gl.constexpr,
+                              COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr, DYNAMIC: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.shape[0]
         it = 0  # K steps issued so far: slot it % STAGES, its (it // STAGES)-th use
         pending = -1  # the adapter loop: the slot of the last LoRA step, its copies in flight, its arrival owed
-        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        j = 0  # output tiles so far
+        t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+        while t < num_m * num_n:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
                 if LORA_OWN:  # the tile's packing, loaded here, waited for after the K loop
@@ -384,6 +429,8 @@ if gluon is not None:
                                             MAX_RANK, R_PAD, COLUMNS)
                         _rows_landed(ready.index(slot), 0)  # the slot's one arrival, no TMA bytes
                         it += 1
+            j += 1
+            t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         if LORA_OWN:
             if pending >= 0:  # the last tile's last LoRA copies
                 _rows_landed(ready.index(pending), 0)
@@ -391,16 +438,18 @@ if gluon is not None:
     @gluon.jit
     def _gemm2_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr, num_live_blocks,
                              num_m, num_n, k_steps, tile_flags_ptr, tile_units_ptr, bias_ptr, row_to_slot_ptr, H,
-                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
-                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                             NUM_WARPS: gl.constexpr):
+                             tile_ids, tiles_full, tiles_empty, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             LORA: gl.constexpr, MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr,
+                             HAS_BIAS: gl.constexpr, DYNAMIC: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         STAGES: gl.constexpr = a_bufs.shape[0]
         acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
         it = 0
-        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        j = 0  # output tiles so far
+        t = _take_tile(tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+        while t < num_m * num_n:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             acc = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
@@ -431,15 +480,18 @@ if gluon is not None:
                                         gl.SliceLayout(0, acc_layout))
                     acc += gl.where(live[:, None], bias[None, :], 0.0)
             _store_tile(out_desc, out_smem, acc, pid_m, pid_n)
+            j += 1
+            t = _take_tile(tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gemm2_ws_kernel(a_desc, w_desc, out_desc, block_group_ptr, num_live_blocks, num_rows, H, I,
                          s2_ptr, tile_flags_ptr, down_b_ptr, num_local_experts, num_loras, row_first_ptr,
                          row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, bias_ptr, row_to_slot_ptr,
+                         tile_counter_ptr,
                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
                          MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr,
-                         HAS_BIAS: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, DYNAMIC: gl.constexpr,
                          num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -455,27 +507,30 @@ if gluon is not None:
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
         ready, empty = _stage_barriers(STAGES, 1)
+        tile_ids, tiles_full, tiles_empty = _tile_ring()
         num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(H, BLOCK_N)
         k_steps = gl.cdiv(I, BLOCK_K)
         gl.warp_specialize([
             (_gemm2_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_smem, block_group_ptr,
                                     num_live_blocks, num_m, num_n, k_steps, tile_flags_ptr, tile_units_ptr,
-                                    bias_ptr, row_to_slot_ptr, H, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN,
-                                    HAS_BIAS, num_warps)),
+                                    bias_ptr, row_to_slot_ptr, H, tile_ids, tiles_full, tiles_empty, GROUP_M,
+                                    DEAD_FILL, LORA, MAX_RANK, LORA_OWN, HAS_BIAS, DYNAMIC, num_warps)),
             (_gemm2_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, block_group_ptr,
                                      num_live_blocks, num_m, num_n, k_steps, H, s2_ptr, tile_flags_ptr, down_b_ptr,
                                      num_local_experts, num_loras, row_first_ptr, row_ranks_ptr, tile_units_ptr,
-                                     unit_map_ptr, units_max, GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
+                                     unit_map_ptr, units_max, tile_counter_ptr, tile_ids, tiles_full, tiles_empty,
+                                     GROUP_M, LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN, DYNAMIC)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
     @gluon.jit
     def _gemm1_load_partition(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
                               block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I, s13_ptr, tile_flags_ptr,
                               up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_first_ptr, row_ranks_ptr,
-                              tile_units_ptr, unit_map_ptr, units_max, GROUP_M: gl.constexpr, LORA: gl.constexpr,
-                              MAX_RANK: gl.constexpr,
-                              R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr):
+                              tile_units_ptr, unit_map_ptr, units_max, tile_counter_ptr, tile_ids, tiles_full,
+                              tiles_empty, GROUP_M: gl.constexpr, LORA: gl.constexpr, MAX_RANK: gl.constexpr,
+                              R_PAD: gl.constexpr, COLUMNS: gl.constexpr, LORA_OWN: gl.constexpr,
+                              DYNAMIC: gl.constexpr):
         STAGES: gl.constexpr = a_bufs.shape[0]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -484,7 +539,9 @@ if gluon is not None:
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
         it = 0
-        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        j = 0  # output tiles so far
+        t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+        while t < num_m * num_n:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
                 slots = gl.load(row_to_slot_ptr + pid_m * BLOCK_M + tile_rows)
@@ -538,6 +595,8 @@ if gluon is not None:
                                                 num_local_experts, num_loras, MAX_RANK, R_PAD, COLUMNS)
                             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                             it += 1
+            j += 1
+            t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
 
     @gluon.jit
     def _rows_landed(bar, OUTSTANDING: gl.constexpr):
@@ -572,11 +631,11 @@ if gluon is not None:
     @gluon.jit
     def _gemm1_mma_partition(a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                              block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr, stride_d,
-                             tile_flags_ptr, tile_units_ptr, bias_ptr, HAS_DELTA: gl.constexpr,
-                             GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
-                             MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                             ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr,
-                             NUM_WARPS: gl.constexpr):
+                             tile_flags_ptr, tile_units_ptr, bias_ptr, tile_ids, tiles_full, tiles_empty,
+                             HAS_DELTA: gl.constexpr, GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr,
+                             LORA: gl.constexpr, MAX_RANK: gl.constexpr, LORA_OWN: gl.constexpr,
+                             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, SWIGLU_ALPHA: gl.constexpr,
+                             SWIGLU_LIMIT: gl.constexpr, DYNAMIC: gl.constexpr, NUM_WARPS: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -584,7 +643,9 @@ if gluon is not None:
         acc_layout: gl.constexpr = _acc_layout(BLOCK_N, NUM_WARPS)
         tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         it = 0
-        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        j = 0  # output tiles so far
+        t = _take_tile(tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+        while t < num_m * num_n:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             act = gl.full([BLOCK_M, BLOCK_N], DEAD_FILL, gl.float32, acc_layout)
             if expert >= 0:
@@ -633,18 +694,21 @@ if gluon is not None:
                 act = gl.where(row_ok[:, None], _gated_activation(acc_gate, acc_up, ACTIVATION, SWIGLU_ALPHA,
                                                                   SWIGLU_LIMIT), DEAD_FILL)
             _store_tile(out_desc, out_smem, act, pid_m, pid_n)
+            j += 1
+            t = _take_tile(tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _gemm1_swiglu_ws_kernel(x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, out_desc, block_group_ptr,
                                 num_live_blocks, num_rows, H, I, delta_ptr, stride_d, s13_ptr, tile_flags_ptr,
                                 up_b_ptr, gate_b_ptr, num_local_experts, num_loras, row_first_ptr,
-                                row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, bias_ptr,
+                                row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, bias_ptr, tile_counter_ptr,
                                 HAS_DELTA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                                 GROUP_M: gl.constexpr, DEAD_FILL: gl.constexpr, LORA: gl.constexpr,
                                 MAX_RANK: gl.constexpr, R_PAD: gl.constexpr, COLUMNS: gl.constexpr,
                                 LORA_OWN: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                                SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr, num_warps: gl.constexpr):
+                                SWIGLU_ALPHA: gl.constexpr, SWIGLU_LIMIT: gl.constexpr, DYNAMIC: gl.constexpr,
+                                num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = w_desc.dtype
@@ -660,26 +724,40 @@ if gluon is not None:
         # a slot is ready on the TMA's arrival with its bytes (or a LoRA step's plain one) and each load thread's,
         # once its row copies have landed (async_copy.mbarrier_arrive)
         ready, empty = _stage_barriers(STAGES, 1 + LOAD_WARPS * 32)
+        tile_ids, tiles_full, tiles_empty = _tile_ring()
         num_m = gl.cdiv(num_rows, BLOCK_M)
         num_n = gl.cdiv(I, BLOCK_N)
         k_steps = gl.cdiv(H, BLOCK_K)
         gl.warp_specialize([
             (_gemm1_mma_partition, (a_bufs, g_bufs, u_bufs, ready, empty, out_desc, out_smem, row_to_slot_ptr,
                                     block_group_ptr, num_live_blocks, num_m, num_n, k_steps, I, delta_ptr,
-                                    stride_d, tile_flags_ptr, tile_units_ptr, bias_ptr, HAS_DELTA, GROUP_M,
-                                    DEAD_FILL, LORA, MAX_RANK, LORA_OWN, HAS_BIAS, ACTIVATION, SWIGLU_ALPHA,
-                                    SWIGLU_LIMIT, num_warps)),
+                                    stride_d, tile_flags_ptr, tile_units_ptr, bias_ptr, tile_ids, tiles_full,
+                                    tiles_empty, HAS_DELTA, GROUP_M, DEAD_FILL, LORA, MAX_RANK, LORA_OWN, HAS_BIAS,
+                                    ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, DYNAMIC, num_warps)),
             (_gemm1_load_partition, (x_ptr, stride_x, row_to_slot_ptr, top_k, w_desc, a_bufs, g_bufs, u_bufs,
                                      ready, empty, block_group_ptr, num_live_blocks, num_m, num_n, k_steps, H, I,
                                      s13_ptr, tile_flags_ptr, up_b_ptr, gate_b_ptr, num_local_experts, num_loras,
-                                     row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max, GROUP_M,
-                                     LORA, MAX_RANK, R_PAD, COLUMNS, LORA_OWN)),
+                                     row_first_ptr, row_ranks_ptr, tile_units_ptr, unit_map_ptr, units_max,
+                                     tile_counter_ptr, tile_ids, tiles_full, tiles_empty, GROUP_M, LORA, MAX_RANK,
+                                     R_PAD, COLUMNS, LORA_OWN, DYNAMIC)),
         ], [LOAD_WARPS], [120 if LORA_OWN else 88])  # the adapter loop's copies spill at 88 registers
 
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _schedule(num_tiles: int, placeholder: torch.Tensor) -> tuple[tuple[int], dict]:
+    """The grid for ``num_tiles`` output tiles and the kernels' schedule arguments under ``TILE_SCHEDULE``: a zeroed
+    int32 tile counter (dynamic; else ``placeholder``, an int32 tensor on the device) and DYNAMIC."""
+    if TILE_SCHEDULE not in ("static", "dynamic", "grid"):
+        raise ValueError(f"gluon_gemm.TILE_SCHEDULE: expected 'static', 'dynamic' or 'grid', got {TILE_SCHEDULE!r}")
+    dynamic = TILE_SCHEDULE == "dynamic"
+    device = placeholder.device
+    counter = torch.zeros(1, dtype=torch.int32, device=device) if dynamic else placeholder
+    grid = num_tiles if TILE_SCHEDULE == "grid" else min(num_tiles, _multiprocessors(device))
+    return (grid,), dict(tile_counter_ptr=counter, DYNAMIC=dynamic)
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -820,11 +898,10 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     a_desc = _descriptor(act[:reach], [block_m, block_k])
     w_desc = _descriptor(w2.view(E_local * H, I), [block_n, block_k])
     out_desc = _descriptor(out[:reach], [block_m, block_n])
-    num_tiles = cdiv(reach, block_m) * cdiv(H, block_n)
-    grid = (min(num_tiles, _multiprocessors(w2.device)) if PERSISTENT else num_tiles,)
+    grid, schedule = _schedule(cdiv(reach, block_m) * cdiv(H, block_n), segments.block_group)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
                            I, **_lora_args(lora, 2, act), bias_ptr=bias if bias is not None else act,
-                           row_to_slot_ptr=segments.row_to_slot, STAGES=stages, GROUP_M=group_m,
+                           row_to_slot_ptr=segments.row_to_slot, **schedule, STAGES=stages, GROUP_M=group_m,
                            DEAD_FILL=dead_fill, HAS_BIAS=bias is not None, num_warps=8)
     return out
 
@@ -876,13 +953,13 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     block_n, block_k, stages = tile
     w_desc = _descriptor(w13.view(E_local * two_i, H), [block_n, block_k])
     out_desc = _descriptor(act[:reach], [block_m, block_n])
-    num_tiles = cdiv(reach, block_m) * cdiv(I, block_n)
-    grid = (min(num_tiles, _multiprocessors(w13.device)) if PERSISTENT else num_tiles,)
+    grid, schedule = _schedule(cdiv(reach, block_m) * cdiv(I, block_n), segments.block_group)
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
                                   delta if delta is not None else x, two_i,
                                   **_lora_args(lora, 1, x), bias_ptr=bias if bias is not None else x,
-                                  HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+                                  **schedule, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None,
+                                  ACTIVATION=activation,
                                   SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit,
                                   BLOCK_K=block_k, STAGES=stages, GROUP_M=group_m, DEAD_FILL=dead_fill, num_warps=8)
     return act
@@ -890,12 +967,13 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
 
 def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: int = 1, delta: bool = False,
                  lora: tuple[int, int, int] | None = None, lora_own: bool = False, bias: bool = False,
-                 activation: str = "silu", swiglu_limit: float | None = None):
+                 activation: str = "silu", swiglu_limit: float | None = None, dynamic: bool = False):
     """The Gluon kernel of ``gemm`` ("gemm1" or "gemm2") compiled for sm_90 on any machine (no GPU needed), bf16, at
     ``tile`` (default GEMM1_WS_TILE or GEMM2_WS_TILE), GEMM1 with a LoRA ``delta`` or without, with a fused bank's
     tile-mode LoRA of ``lora`` = (L_PAD, R_PAD, max_rank) or without (``lora_own``: the adapter loop's, L_PAD 1),
     with a bf16 ``bias`` or without, GEMM1's ``activation`` (swigluoai: alpha 1.702) and ``swiglu_limit``,
-    with the divisibility hints a launch at real shapes gets. Returns Triton's compiled kernel: ``.asm["ptx"]``,
+    with the divisibility hints a launch at real shapes gets, with the ``dynamic`` tile schedule or the static one
+    (``TILE_SCHEDULE``). Returns Triton's compiled kernel: ``.asm["ptx"]``,
     ``.metadata.shared`` (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -909,10 +987,11 @@ def compile_sm90(gemm: str, tile: tuple[int, int, int] | None = None, group_m: i
     tiles = dict(block_group_ptr="*i32", num_live_blocks="i32", num_rows="i32", H="i32", I="i32")
     bank = dict(s13_ptr="*bf16", s2_ptr="*bf16", tile_flags_ptr="*i32", up_b_ptr="*bf16", gate_b_ptr="*bf16",
                 down_b_ptr="*bf16", num_local_experts="i32", num_loras="i32", row_first_ptr="*i32",
-                row_ranks_ptr="*i32", tile_units_ptr="*i32", unit_map_ptr="*i32", units_max="i32", bias_ptr="*bf16")
+                row_ranks_ptr="*i32", tile_units_ptr="*i32", unit_map_ptr="*i32", units_max="i32", bias_ptr="*bf16",
+                tile_counter_ptr="*i32")
     constexprs = dict(GROUP_M=group_m, DEAD_FILL=0.0, LORA=lora is not None, MAX_RANK=max_rank, R_PAD=r_pad,
                       COLUMNS=8 if lora_own else l_pad * r_pad, LORA_OWN=lora_own, STAGES=stages,
-                      HAS_BIAS=bias, num_warps=8)
+                      HAS_BIAS=bias, DYNAMIC=dynamic, num_warps=8)
     hinted = ("block_group_ptr", "s13_ptr", "s2_ptr", "up_b_ptr", "gate_b_ptr", "down_b_ptr", "row_to_slot_ptr",
               "row_first_ptr", "row_ranks_ptr", "tile_units_ptr", "unit_map_ptr", "units_max", "bias_ptr")
     if gemm == "gemm1":
