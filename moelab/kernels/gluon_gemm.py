@@ -81,8 +81,9 @@ GEMM1_THREE_STAGES_GROUPED_ROWS = 512
 #: How the programs share the output tiles: "static" (one program a multiprocessor, each walking every
 #: num_programs-th tile), "dynamic" (one a multiprocessor, each claiming the next tile from a counter once its loads
 #: of the last are issued, so tiles start in order whatever each program's pace) or "grid" (one program a tile, which
-#: the hardware hands out in order as multiprocessors free up). An experiment's switch (scripts/tma_ab.py).
-TILE_SCHEDULE = "static"
+#: the hardware hands out in order as multiprocessors free up). An experiment's switch (scripts/tma_ab.py;
+#: ``MOELAB_TILE_SCHEDULE`` sets it for a process).
+TILE_SCHEDULE = os.environ.get("MOELAB_TILE_SCHEDULE", "static")
 
 
 #: The gated activations GEMM1's epilogue runs (``moelab.prepare_weights``' names), each with or without a
