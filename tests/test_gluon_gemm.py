@@ -44,6 +44,24 @@ def test_gluon_kernels_compile_for_sm90(gemm, group_m, delta, monkeypatch):
         assert "cp.async.cg.shared.global" in ptx, "GEMM1's gathered rows: 16-byte cp.async copies"
 
 
+@pytest.mark.parametrize("gemm,lora,own", [("gemm1", None, False), ("gemm2", None, False),
+                                          ("gemm2", (4, 16, 16), False), ("gemm1", (1, 16, 16), True)])
+def test_the_dynamic_tile_schedule_compiles_for_sm90(gemm, lora, own, monkeypatch):
+    """With ``dynamic`` each kernel claims its tiles by a global atomic and still fits an sm_90 block's shared memory;
+    the static schedule has no atomic."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dynamic = gluon_gemm.compile_sm90(gemm, lora=lora, lora_own=own, dynamic=True)
+    static = gluon_gemm.compile_sm90(gemm, lora=lora, lora_own=own).asm["ptx"]
+    assert "atom.global" in dynamic.asm["ptx"] and "atom.global" not in static
+    assert "wgmma.mma_async" in dynamic.asm["ptx"] and dynamic.metadata.shared <= 232448
+
+
+def test_an_unknown_tile_schedule_is_refused(monkeypatch):
+    monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "round-robin")
+    with pytest.raises(ValueError, match="TILE_SCHEDULE"):
+        gluon_gemm._schedule(4, torch.zeros(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 @pytest.mark.parametrize("lora,own", [((1, 16, 16), False), ((4, 16, 16), False), ((2, 32, 24), False),
                                       ((1, 16, 16), True), ((1, 64, 40), True), ((1, 128, 128), True)])
@@ -263,6 +281,31 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, delta, monkey
                             gemm1_lora_delta=d)[0]
     ref = reference.routed_moe(ids, reference.bf16_round(weights), x, w13, w2, gemm1_lora_delta=d)["output"]
     assert_close_to_reference(got, ref, torch.bfloat16, "output")
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+@pytest.mark.parametrize("schedule", ["grid", "dynamic"])
+@pytest.mark.parametrize("skew,group_m", [(False, 1), (True, 2)])
+def test_tile_schedules_give_the_static_rows(schedule, skew, group_m, monkeypatch):
+    """Eight times more output tiles than multiprocessors (and with ``skew`` a dead tail): each schedule writes every
+    row tile once, the static schedule's bits (which test_gluon_gemms_against_float64 checks), no NaN poison left."""
+    T, E, K, H, I = 16384, 8, 2, 512, 512
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, hash((schedule, skew)) % 2**31, skew)
+    config = dataclasses.replace(moe_gemm.choose_config(T, K, E), group_m=group_m)
+    assert config.block_m == 128, "the case must make 128-row tiles"
+    calls = _gluon_calls(monkeypatch)
+    rows = {}
+    for name in ("static", schedule):
+        monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", name)
+        _, seg, act, out = _segments_and_poisoned_rows(ids, weights, E, config, I, H)
+        moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"))
+        moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"))
+        rows[name] = (act, out)
+    assert calls == ["gemm1_swiglu_ws", "gemm2_ws"] * 2, "the Gluon kernels did not run"
+    live = seg.row_to_slot >= 0
+    for want, got in zip(rows["static"], rows[schedule]):
+        assert not got[live].isnan().any(), f"{schedule}: rows left unwritten"
+        assert torch.equal(got[live], want[live]) and got[~live].isnan().all()
 
 
 #: (activation, swiglu_limit, biases, delta): GPT-OSS's experts (swigluoai clamped at 7, both biases; with vLLM's
