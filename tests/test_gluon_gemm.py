@@ -45,7 +45,8 @@ def test_gluon_kernels_compile_for_sm90(gemm, group_m, delta, monkeypatch):
 
 
 @pytest.mark.parametrize("gemm,lora,own", [("gemm1", None, False), ("gemm2", None, False),
-                                          ("gemm2", (4, 16, 16), False), ("gemm1", (1, 16, 16), True)])
+                                          ("gemm2", (4, 16, 16), False), ("gemm1", (1, 16, 16), True),
+                                          ("gemm2", (1, 16, 16), True)])
 def test_the_dynamic_tile_schedule_compiles_for_sm90(gemm, lora, own, monkeypatch):
     """With ``dynamic`` each kernel claims its tiles by a global atomic and still fits an sm_90 block's shared memory;
     the static schedule has no atomic."""
@@ -306,6 +307,34 @@ def test_tile_schedules_give_the_static_rows(schedule, skew, group_m, monkeypatc
     for want, got in zip(rows["static"], rows[schedule]):
         assert not got[live].isnan().any(), f"{schedule}: rows left unwritten"
         assert torch.equal(got[live], want[live]) and got[~live].isnan().all()
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")
+@pytest.mark.parametrize("skew", [False, True])
+def test_the_dynamic_schedule_runs_the_adapter_loop_past_dead_tiles(skew, monkeypatch):
+    """The adapter loop's GEMM2 loads owe their last LoRA step's arrival until the next live tile's loads; on the
+    dynamic schedule a program claiming dead tiles after a LoRA tile must hand it over (else the tile ring and the
+    stage ring wait on each other). Four times more tiles than programs, with ``skew`` a dead tail of six experts'
+    padding: the dynamic schedule gives the static one's output bit for bit."""
+    from test_experts import make_bank, random_adapters
+
+    from moelab.backends import eager_graphs, triton_backend
+
+    monkeypatch.setattr(triton_backend, "GLUON_ADAPTER_LOOP_MIN_ROWS_PER_PAIR", 32)
+    monkeypatch.setattr(eager_graphs, "ENABLED", False)  # each call runs its launches
+    T, E, K, H, I, ranks = 16384, 8, 2, 512, 256, (64, 32, 16, 8, 64, 32, 16, 8)
+    w13, w2, x, ids, weights = _problem(T, E, K, H, I, 11, skew)
+    bank = make_bank(random_adapters(len(ranks), E, H, I, list(ranks), seed=11), E, 0, H, I, 64, torch.bfloat16,
+                     "cuda")
+    lora_ids = torch.randint(0, len(ranks), (T,), generator=torch.Generator().manual_seed(11)).cuda()
+    calls = _gluon_calls(monkeypatch, with_lora=True)
+    experts = moelab.LoRAExperts(w13, w2, num_experts=E, top_k=K, lora=bank, backend="triton")
+    outs = {}
+    for name in ("static", "dynamic"):
+        monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", name)
+        outs[name] = experts(x, weights, ids, lora_ids)
+    assert calls.count(("gemm2_ws", "AdapterLoopLoRA")) == 2, calls
+    assert torch.equal(outs["dynamic"], outs["static"])
 
 
 #: (activation, swiglu_limit, biases, delta): GPT-OSS's experts (swigluoai clamped at 7, both biases; with vLLM's

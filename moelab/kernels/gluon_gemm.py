@@ -430,6 +430,10 @@ if gluon is not None:
                                             MAX_RANK, R_PAD, COLUMNS)
                         _rows_landed(ready.index(slot), 0)  # the slot's one arrival, no TMA bytes
                         it += 1
+            elif LORA_OWN and DYNAMIC:  # a dead tile: the owed LoRA arrival now, since the next claims wait for
+                if pending >= 0:  # the MMA partition to take tiles, and it waits for that arrival
+                    _rows_landed(ready.index(pending), 0)
+                    pending = -1
             j += 1
             t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         if LORA_OWN:
