@@ -167,7 +167,10 @@ def test_gluon_gemms_refuse_a_lora_bank_with_epilogue_options():
                                            ("gemm1", {"lora": (1, 64, 64), "lora_own": True}),
                                            ("gemm1", {"lora": (1, 128, 128), "lora_own": True}),
                                            ("gemm2", {}), ("gemm2", {"lora": (4, 16, 16)}),
-                                           ("gemm2", {"lora": (1, 16, 16), "lora_own": True})])
+                                           ("gemm2", {"lora": (1, 16, 16), "lora_own": True}),
+                                           ("gemm1", {"dynamic": True}),
+                                           ("gemm1", {"lora": (1, 64, 64), "lora_own": True, "dynamic": True}),
+                                           ("gemm2", {"lora": (1, 16, 16), "lora_own": True, "dynamic": True})])
 def test_gluon_kernels_spill_no_registers(gemm, options, monkeypatch, tmp_path):
     """``ptxas -v`` (Triton's own) on each kernel's sm_90 PTX reports no spilled registers: a spilling epilogue
     pays local-memory traffic on every tile."""
