@@ -3,27 +3,31 @@
 #   run(command="bash scripts/device_tile_schedule.sh", timeout_s=590)
 # 1. tests: tests/test_gluon_gemm.py (test_tile_schedules_give_the_static_rows among them), then the whole file
 #    once more with every call on the dynamic schedule (MOELAB_TILE_SCHEDULE=dynamic).
-# 2. ab1, ab2: scripts/tma_ab.py, one routed_moe call, "rule" (the static schedule) against grid, group2 and
-#    grid-tiles-group2, then against dynamic and dynamic-group2 (a process of its own: a kernel that never returned
-#    would end only that step), at T = 4096 and 16384 on DeepSeek-V3, Qwen3-30B-A3B, Mixtral and OLMoE.
+# 2. ab1, ab2: scripts/tma_ab.py, one routed_moe call, "rule" (the static schedule) against grid and group2, then
+#    against dynamic (a process of its own: a kernel that never returned would end only that step), at T = 4096 and
+#    16384 on DeepSeek-V3, Qwen3-30B-A3B and Mixtral, and at T = 1024 (graph too) and 4096 on OLMoE and GPT-OSS-20B
+#    (128 rows an expert at T = 1024: 1.5 tiles an expert, as DeepSeek's T = 4096; scripts/tile_passes.py).
 # 3. ncu: DeepSeek-V3 T = 4096 on the dynamic schedule, DRAM and L2 bytes a kernel (against 23158 MB of GEMM1's
 #    DRAM reads on the static one, H100, BENCHMARKS.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 OUT=${OUT:-build/tile_schedule}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"
-S="deepseek-v3;qwen3-30b-a3b;mixtral;olmoe"
+S="deepseek-v3;qwen3-30b-a3b;mixtral"; S2="olmoe;gpt-oss-20b"
 el tests
-gpu_tests 70 tests/test_gluon_gemm.py
-MOELAB_TILE_SCHEDULE=dynamic TESTS_LOG=dyn_tests gpu_tests 70 tests/test_gluon_gemm.py
-el ab1
-(cd scripts && timeout 170 python3 tma_ab.py --modes rule,grid-tiles,group2,grid-tiles-group2 --shape "$S" \
-  --tokens 4096,16384 --graph-max-t 0 --json "$OUT/ab1.json" > "$OUT/ab1.log" 2>&1); echo "ab1: exit $?"
-grep -v "^#" "$OUT/ab1.log" | tail -34
-el ab2
-(cd scripts && timeout 130 python3 tma_ab.py --modes rule,dynamic,dynamic-group2 --shape "$S" \
-  --tokens 4096,16384 --graph-max-t 0 --json "$OUT/ab2.json" > "$OUT/ab2.log" 2>&1); echo "ab2: exit $?"
-grep -v "^#" "$OUT/ab2.log" | tail -26
+gpu_tests 60 tests/test_gluon_gemm.py
+MOELAB_TILE_SCHEDULE=dynamic TESTS_LOG=dyn_tests gpu_tests 60 tests/test_gluon_gemm.py
+# ab NAME MODES SHAPES TOKENS SECONDS: one tma_ab.py process into $OUT/NAME.{json,log}
+ab() {
+  el "$1"
+  (cd scripts && timeout "$5" python3 tma_ab.py --modes "$2" --shape "$3" --tokens "$4" --graph-max-t 1024 \
+    --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1); echo "$1: exit $?"
+  grep -v "^#" "$OUT/$1.log" | tail -20
+}
+ab ab1 rule,grid-tiles,group2 "$S" 4096,16384 120
+ab ab1b rule,grid-tiles,group2 "$S2" 1024,4096 60
+ab ab2 rule,dynamic "$S" 4096,16384 90
+ab ab2b rule,dynamic "$S2" 1024,4096 50
 el ncu
 MOELAB_TILE_SCHEDULE=dynamic timeout -s INT 80 ncu --clock-control none --csv \
   --metrics "$(python3 scripts/ncu_kernels.py --metrics --l2)" python3 scripts/ncu_layer.py --shape deepseek-v3 \
