@@ -40,12 +40,14 @@ MODES = {"pointers": RULE | dict(TMA=False), "rule": RULE,  # pointers: what MOE
          "rule-a201208": RULE | dict(TMA_MIN_HI_GEMM2=moe_gemm.TMA_MIN_HI, GEMM2_MAX_STAGES=1 << 10),
          "everywhere": RULE | dict(TMA_MIN_BLOCK_M=16, TMA_MIN_HI=0, TMA_MIN_HI_GEMM2=0),
          "tiles128": RULE | dict(MIN_BLOCK_M=128),
+         "static": RULE | dict(TILE_SCHEDULE="static"),
          "grid-tiles": RULE | dict(TILE_SCHEDULE="grid"), "dynamic": RULE | dict(TILE_SCHEDULE="dynamic"),
          "group2": RULE | dict(GROUP_M=2), "grid-tiles-group2": RULE | dict(TILE_SCHEDULE="grid", GROUP_M=2),
          "dynamic-group2": RULE | dict(TILE_SCHEDULE="dynamic", GROUP_M=2), "group8": RULE | dict(GROUP_M=8)}
-#: "grid-tiles", "dynamic": the Gluon GEMMs' tile schedule (``gluon_gemm.TILE_SCHEDULE``: one program a tile, or
-#: tiles claimed from a counter); "groupN": tiles of 128 rows or more take the tile order group_m = N on every
-#: expert size (two row tiles of one expert, the second often a few rows past 128, then run side by side).
+#: "static", "grid-tiles", "dynamic": the Gluon GEMMs' tile schedule on every call (``gluon_gemm.TILE_SCHEDULE``;
+#: "rule" has its rule): every num_programs-th tile, one program a tile, or tiles claimed from a counter;
+#: "groupN": tiles of 128 rows or more take the tile order group_m = N on every expert size (two row tiles of one
+#: expert, the second often a few rows past 128, then run side by side).
 #: ``--ws MODE[,MODE]``: the rule's TMA launches with Triton's warp specialisation of GEMM2's K loop, or both's;
 #: "ws-gemm1-tma": GEMM1's weight tiles through TMA on every expert size (TMA_MIN_HI 0) and its K loop warp
 #: specialised, GEMM2's not.
@@ -84,7 +86,7 @@ def apply_settings(settings: dict) -> None:
     settings = dict(settings)
     min_block_m = settings.pop("MIN_BLOCK_M", 0)
     group_m = settings.pop("GROUP_M", 0)
-    gluon_gemm.TILE_SCHEDULE = settings.pop("TILE_SCHEDULE", "static")
+    gluon_gemm.TILE_SCHEDULE = settings.pop("TILE_SCHEDULE", "rule")
     choose = tiles_of_at_least(min_block_m) if min_block_m else _TABLE
     triton_backend.choose_config = group_of(group_m, choose) if group_m else choose
     triton_backend._layout.cache_clear()

@@ -197,10 +197,12 @@ def test_markdown_names_the_kernel_switches(monkeypatch):
 
     monkeypatch.setattr(gluon_gemm, "GLUON", False)
     switches = bench.cli.kernel_switches()
-    assert set(switches) == {"MOELAB_GLUON", "MOELAB_TMA", "MOELAB_FAST_LAUNCH", "MOELAB_EAGER_GRAPHS"}
+    assert set(switches) == {"MOELAB_GLUON", "MOELAB_TMA", "MOELAB_FAST_LAUNCH", "MOELAB_EAGER_GRAPHS",
+                             "MOELAB_TILE_SCHEDULE"}
     assert switches["MOELAB_GLUON"] is False
     md = bench.markdown({"rows": [], "env": {"switches": switches}})
     assert "Kernel switches: MOELAB_GLUON=0, MOELAB_TMA=" in md
+    assert f"MOELAB_TILE_SCHEDULE={gluon_gemm.TILE_SCHEDULE}" in md
     monkeypatch.setattr(gluon_gemm, "GLUON", True)
     assert "MOELAB_GLUON=1" in bench.markdown({"rows": [], "env": {"switches": bench.cli.kernel_switches()}})
 

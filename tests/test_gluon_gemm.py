@@ -57,6 +57,27 @@ def test_the_dynamic_tile_schedule_compiles_for_sm90(gemm, lora, own, monkeypatc
     assert "wgmma.mma_async" in dynamic.asm["ptx"] and dynamic.metadata.shared <= 232448
 
 
+def test_the_tile_schedule_rule_claims_tiles_only_on_long_calls(monkeypatch):
+    """The rule (the default) runs the dynamic schedule, with a zeroed counter, from DYNAMIC_MIN_TILES_A_PROGRAM
+    tiles a multiprocessor, the static one (no counter) below; a named schedule runs on any call."""
+    monkeypatch.setattr(gluon_gemm, "_multiprocessors", lambda device: 132)
+    placeholder = torch.full((4,), 7, dtype=torch.int32)
+    least = gluon_gemm.DYNAMIC_MIN_TILES_A_PROGRAM * 132
+    monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "rule")
+    grid, schedule = gluon_gemm._schedule(least - 1, placeholder)
+    assert grid == (132,) and schedule["DYNAMIC"] is False and schedule["tile_counter_ptr"] is placeholder
+    grid, schedule = gluon_gemm._schedule(least, placeholder)
+    assert grid == (132,) and schedule["DYNAMIC"] is True
+    assert schedule["tile_counter_ptr"].tolist() == [0] and schedule["tile_counter_ptr"].dtype == torch.int32
+    monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "static")
+    assert gluon_gemm._schedule(10 * least, placeholder)[1]["DYNAMIC"] is False
+    monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "dynamic")
+    grid, schedule = gluon_gemm._schedule(100, placeholder)
+    assert grid == (100,) and schedule["DYNAMIC"] is True and schedule["tile_counter_ptr"].tolist() == [0]
+    monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "grid")
+    assert gluon_gemm._schedule(1000, placeholder)[0] == (1000,)
+
+
 def test_an_unknown_tile_schedule_is_refused(monkeypatch):
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "round-robin")
     with pytest.raises(ValueError, match="TILE_SCHEDULE"):

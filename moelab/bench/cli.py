@@ -120,12 +120,13 @@ def _commit() -> str:
 
 def kernel_switches() -> dict:
     """The switches that pick which kernels the triton backend runs, as this process has them: ``MOELAB_GLUON``
-    (the Gluon GEMMs on sm_90), ``MOELAB_TMA`` (TMA loads), ``MOELAB_FAST_LAUNCH``, ``MOELAB_EAGER_GRAPHS``."""
+    (the Gluon GEMMs on sm_90), ``MOELAB_TMA`` (TMA loads), ``MOELAB_FAST_LAUNCH``, ``MOELAB_EAGER_GRAPHS``,
+    ``MOELAB_TILE_SCHEDULE`` (the Gluon GEMMs' tile schedule)."""
     from moelab.backends import eager_graphs
     from moelab.kernels import gluon_gemm, launch, moe_gemm
 
     return {"MOELAB_GLUON": gluon_gemm.GLUON, "MOELAB_TMA": moe_gemm.TMA, "MOELAB_FAST_LAUNCH": launch.FAST_LAUNCH,
-            "MOELAB_EAGER_GRAPHS": eager_graphs.ENABLED}
+            "MOELAB_EAGER_GRAPHS": eager_graphs.ENABLED, "MOELAB_TILE_SCHEDULE": gluon_gemm.TILE_SCHEDULE}
 
 
 def _env(device: torch.device) -> dict:

@@ -80,10 +80,18 @@ GEMM1_WS_TILE = (128, 64, 4)
 GEMM1_THREE_STAGES_GROUPED_ROWS = 512
 #: How the programs share the output tiles: "static" (one program a multiprocessor, each walking every
 #: num_programs-th tile), "dynamic" (one a multiprocessor, each claiming the next tile from a counter once its loads
-#: of the last are issued, so tiles start in order whatever each program's pace) or "grid" (one program a tile, which
-#: the hardware hands out in order as multiprocessors free up). An experiment's switch (scripts/tma_ab.py;
-#: ``MOELAB_TILE_SCHEDULE`` sets it for a process).
-TILE_SCHEDULE = os.environ.get("MOELAB_TILE_SCHEDULE", "static")
+#: of the last are issued, so tiles start in order whatever each program's pace), "grid" (one program a tile, which
+#: the hardware hands out in order as multiprocessors free up) or "rule" (the default: dynamic on calls of at least
+#: DYNAMIC_MIN_TILES_A_PROGRAM tiles a multiprocessor, else static). ``MOELAB_TILE_SCHEDULE`` sets it for a process.
+TILE_SCHEDULE = os.environ.get("MOELAB_TILE_SCHEDULE", "rule")
+TILE_SCHEDULES = ("rule", "static", "dynamic", "grid")
+#: The rule's threshold. On the static schedule an expert's row tiles (the second often a few rows past the first
+#: 128) run on programs that drift apart over a long call, so the L2 seldom serves the second tile's weights and
+#: DRAM streams them twice; claimed in order, they run side by side. A dynamic call pays a zeroed counter (one
+#: more launch) and an atomic a tile. H100, scripts/tma_ab.py (d242bf6): DeepSeek-V3 T = 4096 0.79x the static
+#: schedule's time (GEMM1's DRAM reads 23.2 -> 17.7 GB), T = 16384 0.88x; Qwen3-30B-A3B, Mixtral, OLMoE and
+#: GPT-OSS-20B at T = 1024-16384 0.97-1.02x.
+DYNAMIC_MIN_TILES_A_PROGRAM = 2
 
 
 #: The gated activations GEMM1's epilogue runs (``moelab.prepare_weights``' names), each with or without a
@@ -756,12 +764,17 @@ def _multiprocessors(device: torch.device) -> int:
 def _schedule(num_tiles: int, placeholder: torch.Tensor) -> tuple[tuple[int], dict]:
     """The grid for ``num_tiles`` output tiles and the kernels' schedule arguments under ``TILE_SCHEDULE``: a zeroed
     int32 tile counter (dynamic; else ``placeholder``, an int32 tensor on the device) and DYNAMIC."""
-    if TILE_SCHEDULE not in ("static", "dynamic", "grid"):
-        raise ValueError(f"gluon_gemm.TILE_SCHEDULE: expected 'static', 'dynamic' or 'grid', got {TILE_SCHEDULE!r}")
-    dynamic = TILE_SCHEDULE == "dynamic"
+    if TILE_SCHEDULE not in TILE_SCHEDULES:
+        raise ValueError(f"gluon_gemm.TILE_SCHEDULE (MOELAB_TILE_SCHEDULE): expected one of {TILE_SCHEDULES}, got "
+                         f"{TILE_SCHEDULE!r}")
     device = placeholder.device
+    programs = _multiprocessors(device)
+    schedule = TILE_SCHEDULE
+    if schedule == "rule":
+        schedule = "dynamic" if num_tiles >= DYNAMIC_MIN_TILES_A_PROGRAM * programs else "static"
+    dynamic = schedule == "dynamic"
     counter = torch.zeros(1, dtype=torch.int32, device=device) if dynamic else placeholder
-    grid = num_tiles if TILE_SCHEDULE == "grid" else min(num_tiles, _multiprocessors(device))
+    grid = num_tiles if schedule == "grid" else min(num_tiles, programs)
     return (grid,), dict(tile_counter_ptr=counter, DYNAMIC=dynamic)
 
 
