@@ -20,3 +20,11 @@ gpu_tests() {
     > "$OUT/${TESTS_LOG:-tests}.log" 2>&1
   echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|errors?)( |,|$)" "$OUT/${TESTS_LOG:-tests}.log" | tail -12
 }
+# `ab NAME MODES SHAPES TOKENS SECONDS`: one scripts/tma_ab.py process (MODES against the first, eager and, up to
+# T = 1024, graph) into $OUT/NAME.json, its log in /tmp (the files that come back are few), its table printed.
+ab() {
+  el "$1"
+  (cd scripts && timeout "$5" python3 tma_ab.py --modes "$2" --shape "$3" --tokens "$4" --graph-max-t 1024 \
+    --json "$OUT/$1.json" > "/tmp/$1.log" 2>&1); echo "$1: exit $?"
+  grep "|" "/tmp/$1.log" | grep -v -- "---" | grep -v "^| shape"
+}

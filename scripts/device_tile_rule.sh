@@ -14,13 +14,6 @@ OUT=${OUT:-build/tile_rule}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"
 el tests
 gpu_tests 60 tests/test_gluon_gemm.py
-# ab NAME MODES SHAPES TOKENS SECONDS: one tma_ab.py process into $OUT/NAME.json, its table printed
-ab() {
-  el "$1"
-  (cd scripts && timeout "$5" python3 tma_ab.py --modes "$2" --shape "$3" --tokens "$4" --graph-max-t 1024 \
-    --json "$OUT/$1.json" > "/tmp/$1.log" 2>&1); echo "$1: exit $?"
-  grep "|" "/tmp/$1.log" | grep -v -- "---" | grep -v "^| shape"
-}
 ab ab_ds static,dynamic,rule,dynamic-group2 deepseek-v3 2048,4096 100
 ab ab_small static,rule "qwen3-30b-a3b;olmoe;gpt-oss-20b;mixtral" 1024 60
 el bench

@@ -3,7 +3,7 @@
 #   run(command="bash scripts/device_tile_schedule.sh", timeout_s=590)
 # 1. tests: tests/test_gluon_gemm.py (test_tile_schedules_give_the_static_rows among them), then the whole file
 #    once more with every call on the dynamic schedule (MOELAB_TILE_SCHEDULE=dynamic).
-# 2. ab1, ab2: scripts/tma_ab.py, one routed_moe call, "rule" (the static schedule) against grid and group2, then
+# 2. ab1, ab2: scripts/tma_ab.py, one routed_moe call, the static schedule against grid and group2, then
 #    against dynamic (a process of its own: a kernel that never returned would end only that step), at T = 4096 and
 #    16384 on DeepSeek-V3, Qwen3-30B-A3B and Mixtral, and at T = 1024 (graph too) and 4096 on OLMoE and GPT-OSS-20B
 #    (128 rows an expert at T = 1024: 1.5 tiles an expert, as DeepSeek's T = 4096; scripts/tile_passes.py).
@@ -17,17 +17,10 @@ S="deepseek-v3;qwen3-30b-a3b;mixtral"; S2="olmoe;gpt-oss-20b"
 el tests
 gpu_tests 60 tests/test_gluon_gemm.py
 MOELAB_TILE_SCHEDULE=dynamic TESTS_LOG=dyn_tests gpu_tests 60 tests/test_gluon_gemm.py
-# ab NAME MODES SHAPES TOKENS SECONDS: one tma_ab.py process into $OUT/NAME.{json,log}
-ab() {
-  el "$1"
-  (cd scripts && timeout "$5" python3 tma_ab.py --modes "$2" --shape "$3" --tokens "$4" --graph-max-t 1024 \
-    --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1); echo "$1: exit $?"
-  grep -v "^#" "$OUT/$1.log" | tail -20
-}
-ab ab1 rule,grid-tiles,group2 "$S" 4096,16384 120
-ab ab1b rule,grid-tiles,group2 "$S2" 1024,4096 60
-ab ab2 rule,dynamic "$S" 4096,16384 90
-ab ab2b rule,dynamic "$S2" 1024,4096 50
+ab ab1 static,grid-tiles,group2 "$S" 4096,16384 120
+ab ab1b static,grid-tiles,group2 "$S2" 1024,4096 60
+ab ab2 static,dynamic "$S" 4096,16384 90
+ab ab2b static,dynamic "$S2" 1024,4096 50
 el ncu
 MOELAB_TILE_SCHEDULE=dynamic timeout -s INT 80 ncu --clock-control none --csv \
   --metrics "$(python3 scripts/ncu_kernels.py --metrics --l2)" python3 scripts/ncu_layer.py --shape deepseek-v3 \
