@@ -89,8 +89,8 @@ TILE_SCHEDULES = ("rule", "static", "dynamic", "grid")
 #: 128) run on programs that drift apart over a long call, so the L2 seldom serves the second tile's weights and
 #: DRAM streams them twice; claimed in order, they run side by side. A dynamic call pays an atomic a tile; its
 #: counter is the segments' own (``Segments.tile_counters``, zeroed by their first launch; else one launch more).
-#: H100, scripts/tma_ab.py (d242bf6): DeepSeek-V3 T = 4096 0.79x the static schedule's time (GEMM1's DRAM reads 23.2 -> 17.7 GB), T = 16384 0.88x; Qwen3-30B-A3B, Mixtral, OLMoE and
-#: GPT-OSS-20B at T = 1024-16384 0.97-1.02x.
+#: H100, scripts/tma_ab.py (d242bf6): DeepSeek-V3 T = 4096 0.79x the static schedule's time (GEMM1's DRAM reads
+#: 23.2 -> 17.7 GB), T = 16384 0.88x; Qwen3-30B-A3B, Mixtral, OLMoE and GPT-OSS-20B at T = 1024-16384 0.97-1.02x.
 DYNAMIC_MIN_TILES_A_PROGRAM = 2
 
 
