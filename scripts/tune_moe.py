@@ -7,9 +7,13 @@
 Each candidate is checked against the torch backend before it is timed (do_bench median, 4 input sets
 rotated); each timing is printed. ``--group-m``: every candidate is also tried with these ``GemmConfig.group_m``
 (row tiles swept together down each column block), the current config's variants first. The winner of each T
-replaces the config of its rows-per-expert bucket in moelab/kernels/moe_gemm_configs.json (and a copy goes to
-$OUT), which ``choose_config`` reads. A candidate's stages are GEMM1's; GEMM2 runs at most
-``moe_gemm.GEMM2_MAX_STAGES`` of them on 128-row tiles, as the backend does.
+replaces the config of its rows-per-expert bucket in this GPU model's own tile table
+(``moe_gemm.tile_table_path``: ``$MOELAB_TILE_TABLES`` or ~/.cache/moelab/tile_tables, one JSON file a GPU model;
+started from the shipped table), which ``choose_config`` reads on this GPU model from the next process on; with
+``--package``, in the table shipped with moelab (moelab/kernels/moe_gemm_configs.json), which every GPU without a
+table of its own reads (a maintainer's sweep, committed with its BENCHMARKS.md entry). A copy goes to $OUT.
+A candidate's stages are GEMM1's; GEMM2 runs at most ``moe_gemm.GEMM2_MAX_STAGES`` of them on 128-row tiles, as
+the backend does.
 
 ``--aggregate`` tunes the table for every shape at once, so no shape's sweep overwrites another's: each
 (shape, T) point counts toward its rows-per-expert bucket, and a bucket takes the candidate with the lowest
@@ -30,13 +34,15 @@ import triton
 import moelab
 from moelab.backends import triton_backend as tb
 from moelab.kernels.moe_gemm import (
-    CONFIG_BUCKETS,
     CONFIG_FILE,
     GemmConfig,
     as_launched,
     choose_config,
     device_limits,
     fit_to_shared_memory,
+    read_tile_table,
+    tile_table,
+    tile_table_path,
 )
 from moelab.kernels.segments import build_segments_triton
 from moelab.lab import rel_err
@@ -47,7 +53,7 @@ from moelab.roofline import SHAPES, get_shape
 def bucket_of(rows_per_expert):
     """The upper bound of the config file's bucket holding ``rows_per_expert`` (a sweep rewrites configs, not
     bounds)."""
-    return next(limit for limit, _ in CONFIG_BUCKETS if rows_per_expert <= limit)
+    return next(limit for limit, _ in tile_table(device_limits(torch.device("cuda"))) if rows_per_expert <= limit)
 
 
 def candidates(rows_per_expert, default, groups=None):
@@ -92,17 +98,26 @@ def as_run(configs, expert_bytes, keep_group_m=False):
     return out
 
 
-def record_winner(rows_per_expert, cfg):
-    """Write ``cfg`` into the bucket of ``rows_per_expert`` in the package's config file (and $OUT)."""
-    table = json.loads(CONFIG_FILE.read_text())
+def table_file(package: bool):
+    """The table a sweep rewrites: this GPU model's own, or with ``package`` the one shipped with moelab."""
+    return CONFIG_FILE if package else tile_table_path(torch.cuda.get_device_name())
+
+
+def record_winner(rows_per_expert, cfg, path):
+    """Write ``cfg`` into the bucket of ``rows_per_expert`` of the tile table file ``path`` (:func:`table_file`;
+    a GPU model's first sweep starts it from the shipped table), check it, and copy it to $OUT."""
+    table = json.loads((path if path.is_file() else CONFIG_FILE).read_text())
     bucket = next(b for b in table["buckets"] if rows_per_expert <= b["max_rows_per_expert"])
     bucket["config"] = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages] + (
         [cfg.group_m] if cfg.group_m != 1 else [])
     table["gpu"] = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     text = json.dumps(table, indent=2) + "\n"
-    CONFIG_FILE.write_text(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    read_tile_table(path)
+    print(f"tile table {path}: bucket <= {bucket['max_rows_per_expert']:g} rows an expert now {cfg}", flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], CONFIG_FILE.name), "w") as f:
+        with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
             f.write(text)
 
 
@@ -119,6 +134,8 @@ def main():
                    "starts after it (so --aggregate still picks from the points timed)")
     p.add_argument("--aggregate", action="store_true", help="one table for all shapes: per bucket, the best "
                    "geometric mean of time / the current config's time")
+    p.add_argument("--package", action="store_true", help="rewrite the table shipped with moelab instead of this "
+                   "GPU model's own (moe_gemm.tile_table_path)")
     args = p.parse_args()
     points = []  # (shape, T, rows per expert, {config: ms}, the current config)
     args.deadline = time.time() + args.total_s if args.total_s else float("inf")
@@ -126,16 +143,16 @@ def main():
         points += tune_shape(get_shape(name), args)
         torch.cuda.empty_cache()
     if args.aggregate:
-        pick_by_bucket(points)
+        pick_by_bucket(points, table_file(args.package))
 
 
 #: --aggregate changes a bucket only for a geometric-mean gain above this host's run-to-run noise (2 %)
 CHANGE_BELOW = 0.98
 
 
-def pick_by_bucket(points):
+def pick_by_bucket(points, path):
     """Per bucket, the candidate with the lowest geometric mean of time / current time over the bucket's points
-    (only candidates timed at all of them); printed, and written into the config file."""
+    (only candidates timed at all of them); printed, and written into the tile table file ``path``."""
     by_bucket = {}
     for point in points:
         by_bucket.setdefault(bucket_of(point[2]), []).append(point)
@@ -154,7 +171,7 @@ def pick_by_bucket(points):
         each = ", ".join(f"{name} T={T}: {times[best] / times[current]:.3f}" for name, T, _, times, current in pts)
         print(f"| {bucket:g} | {len(pts)} | {pts[0][4]} | {best} | {score(best):.3f} | {each} |", flush=True)
         if score(best) < CHANGE_BELOW:
-            record_winner(bucket, best)
+            record_winner(bucket, best, path)
 
 
 def tune_shape(shape, args):
@@ -185,7 +202,7 @@ def tune_shape(shape, args):
         results = []
         start = time.time()
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        default = choose_config(T, K, E, expert_bytes=expert_bytes)  # the current file's, as the backend runs it
+        default = choose_config(T, K, E, expert_bytes=expert_bytes)  # the current table's, as the backend runs it
         groups = args.group_m and [int(g) for g in args.group_m.split(",")]
         for cfg in as_run(candidates(T * K / E, default, groups), expert_bytes, args.group_m is not None)[
                 :args.max_configs]:
@@ -214,7 +231,7 @@ def tune_shape(shape, args):
             print(f"T={T:6d} no candidate ran", flush=True)
             continue
         if not args.aggregate:
-            record_winner(T * K / E, results[0][1])
+            record_winner(T * K / E, results[0][1], table_file(args.package))
         dflt = next((ms for ms, c in results if c == default), float("nan"))
         print(f"T={T:6d} segments {seg_ms*1e3:7.1f} us | default {dflt*1e3:8.1f} us | best {results[0][0]*1e3:8.1f} us "
               f"{results[0][1]} | 2nd {results[1][0]*1e3 if len(results) > 1 else 0:8.1f} us "

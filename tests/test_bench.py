@@ -207,6 +207,14 @@ def test_markdown_names_the_kernel_switches(monkeypatch):
     assert "MOELAB_GLUON=1" in bench.markdown({"rows": [], "env": {"switches": bench.cli.kernel_switches()}})
 
 
+def test_markdown_names_the_tile_table():
+    """The run's env says which tile table the GEMMs read (a tuning run's own file or the shipped one); the markdown
+    prints it."""
+    assert bench.cli._tile_table(torch.device("cpu")).startswith("shipped")
+    md = bench.markdown({"rows": [], "env": {"tile_table": "/cache/moelab/tile_tables/NVIDIA_B200.json"}})
+    assert "Tile table: /cache/moelab/tile_tables/NVIDIA_B200.json" in md
+
+
 def test_markdown_has_the_peak_memory_table():
     row = {"mode": "base", "shape": "s", "routing": "uniform", "T": 1, "impl": "moelab triton", "variant": "none",
            "median_us": 10.0, "floor_us": 5.0, "x_floor": 2.0, "touched_experts": 8.0, "rel_err": 1e-3,

@@ -4,6 +4,7 @@ kernel file reaches for its private names."""
 import ast
 import pathlib
 
+import pytest
 import torch
 
 import moelab
@@ -119,6 +120,107 @@ def test_group_m_only_for_experts_past_the_l2():
         small = choose_config(rows, 8, 8, device=h200, expert_bytes=GROUP_M_MIN_EXPERT_BYTES - 1)
         assert big.group_m == tuned.group_m, (limit, big)
         assert small == dataclasses.replace(big, group_m=1), (limit, small)
+
+
+def _tile_table_json(buckets) -> str:
+    import json
+
+    return json.dumps({"gpu": "a test", "buckets": [{"max_rows_per_expert": limit, "config": config}
+                                                    for limit, config in buckets]})
+
+
+@pytest.fixture
+def own_tables(tmp_path, monkeypatch):
+    """TILE_TABLE_DIR in ``tmp_path``, nothing read from it yet (and forgotten after the test)."""
+    from moelab.kernels import moe_gemm
+
+    monkeypatch.setattr(moe_gemm, "TILE_TABLE_DIR", tmp_path)
+    moe_gemm.own_tile_table.cache_clear()
+    yield tmp_path
+    moe_gemm.own_tile_table.cache_clear()
+
+
+def test_a_gpu_models_own_tile_table_comes_before_the_shipped_one(own_tables):
+    """A tuning run's table for a GPU model (a file of TILE_TABLE_DIR named after the model) is the one that model's
+    GEMMs take, fitted to its shared memory as the shipped one is; another model, or none named, keeps the shipped
+    table of its capability; a table written during the process is read once cleared."""
+    from moelab.kernels import moe_gemm
+    from moelab.kernels.moe_gemm import CONFIG_BUCKETS, DeviceLimits, GemmConfig, choose_config
+
+    b200, h200 = DeviceLimits((10, 0), 232448, "NVIDIA B200"), DeviceLimits((9, 0), 232448, "NVIDIA H200")
+    path = moe_gemm.tile_table_path(b200.name)
+    assert path == own_tables / "NVIDIA_B200.json"
+    assert moe_gemm.tile_table_path(" NVIDIA H100 80GB HBM3/x ").name == "NVIDIA_H100_80GB_HBM3_x.json"
+    shipped = [choose_config(T, 8, 128, device=b200) for T in (1, 1024, 16384)]
+    assert [choose_config(T, 8, 128, device=h200) for T in (1, 1024, 16384)] == shipped  # the sm_90 table
+    path.write_text(_tile_table_json([(4, [16, 64, 128, 4, 2]), (256, [64, 64, 32, 4, 2]),
+                                      (1e18, [128, 128, 64, 8, 3, 4])]))
+    assert choose_config(1024, 8, 128, device=b200) == shipped[1], "read before the file was written: kept"
+    moe_gemm.own_tile_table.cache_clear()
+    assert choose_config(1, 8, 128, device=b200) == GemmConfig(16, 64, 128, 4, 2)
+    assert choose_config(1024, 8, 128, device=b200) == GemmConfig(64, 64, 32, 4, 2)  # 64 rows an expert
+    assert choose_config(16384, 8, 128, device=b200) == GemmConfig(128, 128, 64, 8, 3, 1)  # small experts: group 1
+    assert choose_config(16384, 8, 8, device=b200, expert_bytes=1 << 30).group_m == 4
+    big = choose_config(16384, 8, 8, device=DeviceLimits((10, 0), 101376, "NVIDIA B200"), expert_bytes=1 << 30)
+    assert big.num_stages < 3 or big.block_k < 64, f"not fitted to 99 KB of shared memory: {big}"
+    assert [choose_config(T, 8, 128, device=h200) for T in (1, 1024, 16384)] == shipped
+    assert choose_config(1024, 8, 128, device=DeviceLimits((10, 0), 232448)) == shipped[1]
+    assert moe_gemm.own_tile_table_file(b200) == path and moe_gemm.own_tile_table_file(h200) is None
+    assert moe_gemm.tile_table(h200) is CONFIG_BUCKETS
+
+
+@pytest.mark.parametrize("text, fault", [
+    ("not json", "expected JSON"),
+    ('{"tables": []}', "expected JSON"),
+    (_tile_table_json([(4, [16, 64, 128, 4])]), "expected JSON"),  # five or six config entries
+    (_tile_table_json([(64, [16, 64, 128, 4, 2]), (4, [16, 64, 128, 4, 2]), (1e18, [64, 64, 64, 4, 2])]),
+     "ascending"),
+    (_tile_table_json([(4, [16, 64, 128, 4, 2]), (4096, [64, 64, 64, 4, 2])]), "the last at least 1e18"),
+    (_tile_table_json([(4, [16, 48, 128, 4, 2]), (1e18, [64, 64, 64, 4, 2])]), "powers of two"),
+    (_tile_table_json([(1e18, [64, 64, 64, 4, 0])]), "positive integers"),
+    (_tile_table_json([(1e18, [8, 64, 64, 4, 2])]), "BLOCK_M >= 16"),
+])
+def test_a_broken_tile_table_is_refused_by_name(text, fault, own_tables):
+    """A GPU model's own table that is not a valid table stops its first call with a ValueError naming the file,
+    the fault and the fix, not a Triton error or a silent fallback."""
+    from moelab.kernels import moe_gemm
+
+    moe_gemm.tile_table_path("NVIDIA B200").write_text(text)
+    with pytest.raises(ValueError, match=fault) as e:
+        moe_gemm.choose_config(1, 8, 128, device=moe_gemm.DeviceLimits((10, 0), 232448, "NVIDIA B200"))
+    assert "NVIDIA_B200.json" in str(e.value) and "tune_moe.py" in str(e.value)
+
+
+def test_a_tuning_run_writes_its_gpu_models_own_table(own_tables, monkeypatch):
+    """scripts/tune_moe.py's winner goes into the GPU model's own table (started from the shipped one, the other
+    buckets kept), which that model's next process reads; ``--package`` names the shipped file instead."""
+    import importlib.util
+    import json
+
+    from moelab.kernels import moe_gemm
+
+    spec = importlib.util.spec_from_file_location("tune_moe", ROOT.parent / "scripts" / "tune_moe.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA B200")
+    monkeypatch.delenv("OUT", raising=False)
+    path = tune.table_file(package=False)
+    assert path == own_tables / "NVIDIA_B200.json" and tune.table_file(package=True) == moe_gemm.CONFIG_FILE
+    winner = moe_gemm.GemmConfig(64, 64, 32, 4, 2, 2)
+    tune.record_winner(100, winner, path)
+    tune.record_winner(2, moe_gemm.GemmConfig(16, 64, 128, 4, 2), path)  # a second bucket, the first one kept
+    table = moe_gemm.read_tile_table(path)
+    assert [limit for limit, _ in table] == [limit for limit, _ in moe_gemm.CONFIG_BUCKETS]
+    changed = {limit: cfg for (limit, cfg), (_, shipped) in zip(table, moe_gemm.CONFIG_BUCKETS) if cfg != shipped}
+    assert changed == {128: winner, 4: moe_gemm.GemmConfig(16, 64, 128, 4, 2)}
+    assert json.loads(path.read_text())["gpu"].startswith("NVIDIA B200, torch ")
+    assert moe_gemm.own_tile_table("NVIDIA B200") == table
+
+
+def test_the_shipped_tile_table_reads_as_a_table():
+    from moelab.kernels import moe_gemm
+
+    assert moe_gemm.read_tile_table(moe_gemm.CONFIG_FILE) == moe_gemm.CONFIG_BUCKETS
 
 
 def test_large_experts_take_128_row_tiles_past_32_rows(monkeypatch):

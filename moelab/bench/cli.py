@@ -138,7 +138,15 @@ def _env(device: torch.device) -> dict:
             "liger_kernel": _version("liger-kernel") or _version("liger_kernel"), "moelab": moelab.__version__,
             "commit": _commit(), "python": sys.version.split()[0],
             "triton_interpret": device.type != "cuda",  # moelab's kernels: interpreted off CUDA
-            "switches": kernel_switches()}
+            "switches": kernel_switches(), "tile_table": _tile_table(device)}
+
+
+def _tile_table(device: torch.device) -> str:
+    """Which tile table the triton backend's GEMMs read on ``device``: a tuning run's own file, or the shipped one."""
+    from moelab.kernels import moe_gemm
+
+    own = moe_gemm.own_tile_table_file(moe_gemm.device_limits(device)) if device.type == "cuda" else None
+    return str(own) if own is not None else "shipped (moelab/kernels/moe_gemm_configs.json)"
 
 
 def build_parser() -> argparse.ArgumentParser:

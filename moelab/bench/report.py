@@ -138,6 +138,8 @@ def markdown(results: dict) -> str:
     if env.get("switches"):  # the kernels this process could pick (the GPU decides the rest)
         lines.append("Kernel switches: " + ", ".join(f"{k}={v if isinstance(v, str) else int(v)}"
                                                    for k, v in env["switches"].items()))
+    if env.get("tile_table"):
+        lines.append(f"Tile table: {env['tile_table']}")
     if c:
         where = "Ceilings in the same run" if c.get("copy_bytes") else f"Ceilings not measured ({c.get('device')})"
         timer = "triton.testing.do_bench" if env.get("device", "CPU") != "CPU" else "time.perf_counter"

@@ -30,8 +30,10 @@ a gated activation of ``gluon_gemm.ACTIVATIONS`` (GPT-OSS's clamped swigluoai) w
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,14 +92,57 @@ class GemmConfig:
     group_m: int = 1
 
 
+def read_tile_table(path: Path) -> list[tuple[float, GemmConfig]]:
+    """The (max rows per expert, config) buckets of a tile table file (the format of ``CONFIG_FILE``: ``buckets``, a
+    list of ``{"max_rows_per_expert": limit, "config": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages(, group_m)]}``
+    with ascending limits, the last at least 1e18), checked: a ValueError names the file and the fault."""
+    def bad(why):
+        return ValueError(f"tile table {path}: {why}; rewrite it with scripts/tune_moe.py (or delete it to use the "
+                          "table shipped with moelab)")
+    try:
+        buckets = json.loads(Path(path).read_text())["buckets"]
+        table = [(float(b["max_rows_per_expert"]), GemmConfig(*b["config"])) for b in buckets]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise bad(f"expected JSON with a 'buckets' list of max_rows_per_expert and config entries ({e})") from None
+    limits = [limit for limit, _ in table]
+    if not table or limits != sorted(set(limits)) or limits[-1] < 1e18:
+        raise bad(f"expected limits ascending, each once, the last at least 1e18 (got {limits})")
+    for limit, cfg in table:
+        fields = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m)
+        tiles_ok = all(isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in fields[:4])
+        if not (tiles_ok and cfg.block_m >= 16 and isinstance(cfg.num_stages, int) and cfg.num_stages >= 1
+                and isinstance(cfg.group_m, int) and cfg.group_m >= 1):
+            raise bad(f"bucket {limit}: expected BLOCK_M >= 16, BLOCK_N, BLOCK_K and warps powers of two, stages "
+                      f"and group_m positive integers (got {list(fields)})")
+    return table
+
+
 CONFIG_FILE = Path(__file__).with_name("moe_gemm_configs.json")
 #: (max rows per expert, config) ascending; tuned on a GPU by scripts/tune_moe.py (the file names the GPU).
-CONFIG_BUCKETS = [(b["max_rows_per_expert"], GemmConfig(*b["config"]))
-                  for b in json.loads(CONFIG_FILE.read_text())["buckets"]]
+CONFIG_BUCKETS = read_tile_table(CONFIG_FILE)
 #: Tile tables by compute capability, tuned where a GPU of that capability ran scripts/tune_moe.py (the H200, sm_90).
 #: A GPU never tuned takes the nearest tuned table below its capability (else the lowest one), fitted to its
-#: shared memory by :func:`fit_to_shared_memory`.
+#: shared memory by :func:`fit_to_shared_memory`; a GPU model with a table of its own (:func:`own_tile_table`)
+#: takes that one.
 TUNED_CONFIGS = {(9, 0): CONFIG_BUCKETS}
+#: Where a GPU's own tuning run (``scripts/tune_moe.py``) keeps its table, one file a GPU model
+#: (:func:`tile_table_path`): ``MOELAB_TILE_TABLES``, else ``$XDG_CACHE_HOME/moelab/tile_tables`` (~/.cache).
+TILE_TABLE_DIR = Path(os.environ.get("MOELAB_TILE_TABLES") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab" / "tile_tables")
+
+
+def tile_table_path(device_name: str) -> Path:
+    """The file of the GPU model ``device_name``'s own tile table (``torch.cuda.get_device_name``), in
+    ``TILE_TABLE_DIR``: the name with every run of characters other than letters, digits, '.', '-' and '_' as '_'."""
+    return TILE_TABLE_DIR / (re.sub(r"[^A-Za-z0-9._-]+", "_", device_name.strip()) + ".json")
+
+
+@functools.lru_cache(maxsize=64)
+def own_tile_table(device_name: str) -> list[tuple[float, GemmConfig]] | None:
+    """The tile table a tuning run wrote for the GPU model ``device_name`` (:func:`tile_table_path`), read once
+    per process (``own_tile_table.cache_clear()`` reads it again), or None where there is none."""
+    path = tile_table_path(device_name)
+    return read_tile_table(path) if device_name and path.is_file() else None
 #: The smallest expert (bytes of its w13 and w2) that keeps its bucket's group_m; smaller experts sweep with
 #: group_m = 1. H200, 2026-12-02 (BENCHMARKS.md, "One tile table for every shape"): group_m = 8 against 1 timed
 #: 0.84-0.91x on Mixtral (352 MB an expert) at T = 1024-16384, 0.97-1.00x at 129-512 rows an expert on four
@@ -160,11 +205,13 @@ WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
 
 @dataclass(frozen=True)
 class DeviceLimits:
-    """What the tile choice needs of a GPU: its compute capability and the shared memory one block may use
-    (bytes, opt-in maximum: H100/H200/B200 227 KB, A100 163 KB, L4/RTX 4090/RTX 5090 99 KB)."""
+    """What the tile choice needs of a GPU: its compute capability, the shared memory one block may use
+    (bytes, opt-in maximum: H100/H200/B200 227 KB, A100 163 KB, L4/RTX 4090/RTX 5090 99 KB) and its model's name
+    (``torch.cuda.get_device_name``: the key of a table of its own, :func:`own_tile_table`; "" for none)."""
 
     capability: tuple[int, int]
     shared_memory: int
+    name: str = ""
 
 
 _limits: dict[int, DeviceLimits] = {}
@@ -175,7 +222,8 @@ def device_limits(device: torch.device) -> DeviceLimits:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _limits:
         props = triton.runtime.driver.active.utils.get_device_properties(index)
-        _limits[index] = DeviceLimits(torch.cuda.get_device_capability(index), props["max_shared_mem"])
+        _limits[index] = DeviceLimits(torch.cuda.get_device_capability(index), props["max_shared_mem"],
+                                      torch.cuda.get_device_name(index))
     return _limits[index]
 
 
@@ -215,11 +263,26 @@ def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shar
             return replace(cfg, num_stages=1)
 
 
+def own_tile_table_file(device: DeviceLimits) -> Path | None:
+    """The file of ``device``'s own tile table where it has one (:func:`tile_table` then reads it), else None."""
+    return tile_table_path(device.name) if own_tile_table(device.name) is not None else None
+
+
+def tile_table(device: DeviceLimits) -> list[tuple[float, GemmConfig]]:
+    """The tile table ``device`` takes: its model's own (:func:`own_tile_table`), else the one tuned for the nearest
+    compute capability at or below its own (else the lowest) of ``TUNED_CONFIGS``."""
+    own = own_tile_table(device.name)
+    if own is not None:
+        return own
+    below = [cc for cc in TUNED_CONFIGS if cc <= device.capability]
+    return TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
+
+
 def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
                   dtype: torch.dtype = torch.bfloat16, lora_columns: int = 0,
                   device: torch.device | DeviceLimits | None = None, lora_own: bool = False,
                   expert_bytes: int = 0, gluon_call: bool = False) -> GemmConfig:
-    """Tile sizes by rows per local expert, from the tuned table of the device's compute capability. Decode is
+    """Tile sizes by rows per local expert, from the device's tile table (:func:`tile_table`). Decode is
     weight-bandwidth bound (small BLOCK_M, many programs streaming weights); prefill is compute bound (big tiles for
     tensor-core reuse). The pipeline's depth then shrinks to the device's shared memory (fp32 operands take twice
     the bytes a stage).
@@ -237,8 +300,7 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
         if _runtime.INTERPRET:  # numpy executes each program: few, modest tiles keep CPU tests quick
             return GemmConfig(16, 32, 32, 4, 1)
         device = device_limits(torch.device("cuda") if device is None else torch.device(device))
-    below = [cc for cc in TUNED_CONFIGS if cc <= device.capability]
-    buckets = TUNED_CONFIGS[max(below) if below else min(TUNED_CONFIGS)]
+    buckets = tile_table(device)
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     cfg = next(c for limit, c in buckets if rows_per_expert <= limit)
     if (cfg.block_m < 128 and rows_per_expert > TILE128_MIN_ROWS and expert_bytes >= TILE128_MIN_EXPERT_BYTES
