@@ -53,7 +53,18 @@ from moelab.roofline import SHAPES, get_shape
 def bucket_of(rows_per_expert):
     """The upper bound of the config file's bucket holding ``rows_per_expert`` (a sweep rewrites configs, not
     bounds)."""
-    return next(limit for limit, _ in tile_table(device_limits(torch.device("cuda"))) if rows_per_expert <= limit)
+    return next(limit for limit, _ in tile_table(baseline_device()) if rows_per_expert <= limit)
+
+
+#: --package: the sweep starts from the shipped table (and rewrites it), not from this GPU model's own
+PACKAGE = False
+
+
+def baseline_device():
+    """This GPU as the sweep's baseline sees it: without its model's name under ``--package`` (so the shipped
+    table's tiles are the current ones), else as the backend sees it (its own table where it has one)."""
+    device = device_limits(torch.device("cuda"))
+    return dataclasses.replace(device, name="") if PACKAGE else device
 
 
 def candidates(rows_per_expert, default, groups=None):
@@ -113,8 +124,10 @@ def record_winner(rows_per_expert, cfg, path):
     table["gpu"] = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     text = json.dumps(table, indent=2) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    read_tile_table(path)
+    draft = path.with_name(path.name + ".draft")
+    draft.write_text(text)
+    read_tile_table(draft)  # checked before it replaces the table (in one step: a reader never sees half a file)
+    os.replace(draft, path)
     print(f"tile table {path}: bucket <= {bucket['max_rows_per_expert']:g} rows an expert now {cfg}", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
@@ -137,6 +150,8 @@ def main():
     p.add_argument("--package", action="store_true", help="rewrite the table shipped with moelab instead of this "
                    "GPU model's own (moe_gemm.tile_table_path)")
     args = p.parse_args()
+    global PACKAGE
+    PACKAGE = args.package
     points = []  # (shape, T, rows per expert, {config: ms}, the current config)
     args.deadline = time.time() + args.total_s if args.total_s else float("inf")
     for name in args.shape or ["qwen3-30b-a3b"]:
@@ -202,7 +217,8 @@ def tune_shape(shape, args):
         results = []
         start = time.time()
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        default = choose_config(T, K, E, expert_bytes=expert_bytes)  # the current table's, as the backend runs it
+        # the current table's, as the backend runs it
+        default = choose_config(T, K, E, device=baseline_device(), expert_bytes=expert_bytes)
         groups = args.group_m and [int(g) for g in args.group_m.split(",")]
         for cfg in as_run(candidates(T * K / E, default, groups), expert_bytes, args.group_m is not None)[
                 :args.max_configs]:

@@ -207,10 +207,20 @@ def test_markdown_names_the_kernel_switches(monkeypatch):
     assert "MOELAB_GLUON=1" in bench.markdown({"rows": [], "env": {"switches": bench.cli.kernel_switches()}})
 
 
-def test_markdown_names_the_tile_table():
+def test_markdown_names_the_tile_table(monkeypatch, tmp_path):
     """The run's env says which tile table the GEMMs read (a tuning run's own file or the shipped one); the markdown
     prints it."""
+    from moelab.kernels import moe_gemm
+
     assert bench.cli._tile_table(torch.device("cpu")).startswith("shipped")
+    monkeypatch.setattr(moe_gemm, "TILE_TABLE_DIR", tmp_path)
+    monkeypatch.setattr(moe_gemm, "device_limits", lambda device: moe_gemm.DeviceLimits((10, 0), 232448, "GPU X"))
+    moe_gemm.own_tile_table.cache_clear()
+    assert bench.cli._tile_table(torch.device("cuda")).startswith("shipped")
+    moe_gemm.tile_table_path("GPU X").write_text(moe_gemm.CONFIG_FILE.read_text())
+    moe_gemm.own_tile_table.cache_clear()
+    assert bench.cli._tile_table(torch.device("cuda")) == str(tmp_path / "GPU_X.json")
+    moe_gemm.own_tile_table.cache_clear()
     md = bench.markdown({"rows": [], "env": {"tile_table": "/cache/moelab/tile_tables/NVIDIA_B200.json"}})
     assert "Tile table: /cache/moelab/tile_tables/NVIDIA_B200.json" in md
 

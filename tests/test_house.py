@@ -167,6 +167,24 @@ def test_a_gpu_models_own_tile_table_comes_before_the_shipped_one(own_tables):
     assert choose_config(1024, 8, 128, device=DeviceLimits((10, 0), 232448)) == shipped[1]
     assert moe_gemm.own_tile_table_file(b200) == path and moe_gemm.own_tile_table_file(h200) is None
     assert moe_gemm.tile_table(h200) is CONFIG_BUCKETS
+    # an sm_90 table without 128-row tiles: large experts keep the bucket's own tiles (no Gluon GEMM tiles to take)
+    h100 = DeviceLimits((9, 0), 232448, "NVIDIA H100")
+    moe_gemm.tile_table_path(h100.name).write_text(_tile_table_json([(1e18, [64, 64, 64, 4, 2])]))
+    assert choose_config(1024, 1, 16, device=h100, expert_bytes=1 << 30, gluon_call=True).block_m == 64
+
+
+def test_the_tile_tables_folder_follows_the_environment(monkeypatch, tmp_path):
+    from moelab.kernels import moe_gemm
+
+    monkeypatch.setattr(moe_gemm, "TILE_TABLE_DIR", None)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("MOELAB_TILE_TABLES", "~/tables")
+    assert moe_gemm.tile_table_path("GPU") == tmp_path / "tables" / "GPU.json"
+    monkeypatch.delenv("MOELAB_TILE_TABLES")
+    assert moe_gemm.tile_table_path("GPU") == tmp_path / ".cache" / "moelab" / "tile_tables" / "GPU.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert moe_gemm.tile_table_path("GPU") == tmp_path / "xdg" / "moelab" / "tile_tables" / "GPU.json"
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -177,8 +195,12 @@ def test_a_gpu_models_own_tile_table_comes_before_the_shipped_one(own_tables):
      "ascending"),
     (_tile_table_json([(4, [16, 64, 128, 4, 2]), (4096, [64, 64, 64, 4, 2])]), "the last at least 1e18"),
     (_tile_table_json([(4, [16, 48, 128, 4, 2]), (1e18, [64, 64, 64, 4, 2])]), "powers of two"),
-    (_tile_table_json([(1e18, [64, 64, 64, 4, 0])]), "positive integers"),
-    (_tile_table_json([(1e18, [8, 64, 64, 4, 2])]), "BLOCK_M >= 16"),
+    (_tile_table_json([(1e18, [64, 64, 64, 4, 0])]), "integers in \\[1, 64\\]"),
+    (_tile_table_json([(1e18, [8, 64, 64, 4, 2])]), "powers of two in \\[16, 256\\]"),
+    (_tile_table_json([(1e18, [16, 1, 1, 1, 1])]), "powers of two in \\[16, 256\\]"),  # tl.dot needs 16
+    (_tile_table_json([(1e18, [64, 64, 64, True, 2])]), "warps a power of two"),
+    (_tile_table_json([(4, [64, 64, 64, 4, 2]), (float("nan"), [64, 64, 64, 4, 2])]), "the last at least 1e18"),
+    (_tile_table_json([(float("nan"), [64, 64, 64, 4, 2]), (1e18, [64, 64, 64, 4, 2])]), "positive finite"),
 ])
 def test_a_broken_tile_table_is_refused_by_name(text, fault, own_tables):
     """A GPU model's own table that is not a valid table stops its first call with a ValueError naming the file,
@@ -215,6 +237,13 @@ def test_a_tuning_run_writes_its_gpu_models_own_table(own_tables, monkeypatch):
     assert changed == {128: winner, 4: moe_gemm.GemmConfig(16, 64, 128, 4, 2)}
     assert json.loads(path.read_text())["gpu"].startswith("NVIDIA B200, torch ")
     assert moe_gemm.own_tile_table("NVIDIA B200") == table
+    assert [p.name for p in own_tables.iterdir()] == ["NVIDIA_B200.json"], "a draft left behind"
+    # the sweep's baseline: this model's own table, or with --package the shipped one
+    b200 = moe_gemm.DeviceLimits((10, 0), 232448, "NVIDIA B200")
+    monkeypatch.setattr(tune, "device_limits", lambda device: b200)
+    assert moe_gemm.tile_table(tune.baseline_device()) == table and tune.bucket_of(100) == 128
+    monkeypatch.setattr(tune, "PACKAGE", True)
+    assert moe_gemm.tile_table(tune.baseline_device()) is moe_gemm.CONFIG_BUCKETS
 
 
 def test_the_shipped_tile_table_reads_as_a_table():

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -105,15 +106,19 @@ def read_tile_table(path: Path) -> list[tuple[float, GemmConfig]]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise bad(f"expected JSON with a 'buckets' list of max_rows_per_expert and config entries ({e})") from None
     limits = [limit for limit, _ in table]
-    if not table or limits != sorted(set(limits)) or limits[-1] < 1e18:
-        raise bad(f"expected limits ascending, each once, the last at least 1e18 (got {limits})")
+    if (not table or limits != sorted(set(limits)) or not limits[-1] >= 1e18
+            or not all(0 < limit < math.inf for limit in limits[:-1])):
+        raise bad(f"expected positive finite limits ascending, each once, the last at least 1e18 (got {limits})")
+
+    def power_of_two(v, low, high):
+        return type(v) is int and low <= v <= high and v & (v - 1) == 0
+
     for limit, cfg in table:
         fields = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.group_m)
-        tiles_ok = all(isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in fields[:4])
-        if not (tiles_ok and cfg.block_m >= 16 and isinstance(cfg.num_stages, int) and cfg.num_stages >= 1
-                and isinstance(cfg.group_m, int) and cfg.group_m >= 1):
-            raise bad(f"bucket {limit}: expected BLOCK_M >= 16, BLOCK_N, BLOCK_K and warps powers of two, stages "
-                      f"and group_m positive integers (got {list(fields)})")
+        if not (all(power_of_two(v, 16, 256) for v in fields[:3]) and power_of_two(cfg.num_warps, 1, 16)
+                and all(type(v) is int and 1 <= v <= 64 for v in fields[4:])):
+            raise bad(f"bucket {limit}: expected BLOCK_M, BLOCK_N and BLOCK_K powers of two in [16, 256], warps a "
+                      f"power of two up to 16, stages and group_m integers in [1, 64] (got {list(fields)})")
     return table
 
 
@@ -126,15 +131,20 @@ CONFIG_BUCKETS = read_tile_table(CONFIG_FILE)
 #: takes that one.
 TUNED_CONFIGS = {(9, 0): CONFIG_BUCKETS}
 #: Where a GPU's own tuning run (``scripts/tune_moe.py``) keeps its table, one file a GPU model
-#: (:func:`tile_table_path`): ``MOELAB_TILE_TABLES``, else ``$XDG_CACHE_HOME/moelab/tile_tables`` (~/.cache).
-TILE_TABLE_DIR = Path(os.environ.get("MOELAB_TILE_TABLES") or Path(
-    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab" / "tile_tables")
+#: (:func:`tile_table_path`); None: ``$MOELAB_TILE_TABLES``, else ``$XDG_CACHE_HOME/moelab/tile_tables`` (~/.cache),
+#: as the environment says when a path is asked for.
+TILE_TABLE_DIR: Path | None = None
 
 
 def tile_table_path(device_name: str) -> Path:
     """The file of the GPU model ``device_name``'s own tile table (``torch.cuda.get_device_name``), in
     ``TILE_TABLE_DIR``: the name with every run of characters other than letters, digits, '.', '-' and '_' as '_'."""
-    return TILE_TABLE_DIR / (re.sub(r"[^A-Za-z0-9._-]+", "_", device_name.strip()) + ".json")
+    folder = TILE_TABLE_DIR
+    if folder is None:
+        own = os.environ.get("MOELAB_TILE_TABLES")
+        cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+        folder = Path(own or Path(cache) / "moelab" / "tile_tables").expanduser()
+    return Path(folder) / (re.sub(r"[^A-Za-z0-9._-]+", "_", device_name.strip()) + ".json")
 
 
 @functools.lru_cache(maxsize=64)
@@ -306,7 +316,8 @@ def choose_config(num_tokens: int, top_k: int, num_local_experts: int,
     if (cfg.block_m < 128 and rows_per_expert > TILE128_MIN_ROWS and expert_bytes >= TILE128_MIN_EXPERT_BYTES
             and not lora_columns and gluon_call and dtype in (torch.bfloat16, torch.float16)
             and gluon_gemm.GLUON and device.capability == (9, 0)):
-        cfg = next(c for _, c in buckets if c.block_m >= 128)  # the Gluon GEMMs' tiles (TILE128_MIN_EXPERT_BYTES)
+        # the Gluon GEMMs' tiles (TILE128_MIN_EXPERT_BYTES), where the table has 128-row tiles
+        cfg = next((c for _, c in buckets if c.block_m >= 128), cfg)
     return as_launched(cfg, torch.finfo(dtype).bits // 8, device.shared_memory, lora_columns, lora_own, expert_bytes)
 
 
