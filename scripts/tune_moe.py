@@ -109,9 +109,9 @@ def as_run(configs, expert_bytes, keep_group_m=False):
     return out
 
 
-def table_file(package: bool):
-    """The table a sweep rewrites: this GPU model's own, or with ``package`` the one shipped with moelab."""
-    return CONFIG_FILE if package else tile_table_path(torch.cuda.get_device_name())
+def table_file():
+    """The table a sweep rewrites: this GPU model's own, or under ``--package`` the one shipped with moelab."""
+    return CONFIG_FILE if PACKAGE else tile_table_path(torch.cuda.get_device_name())
 
 
 def record_winner(rows_per_expert, cfg, path):
@@ -158,7 +158,7 @@ def main():
         points += tune_shape(get_shape(name), args)
         torch.cuda.empty_cache()
     if args.aggregate:
-        pick_by_bucket(points, table_file(args.package))
+        pick_by_bucket(points, table_file())
 
 
 #: --aggregate changes a bucket only for a geometric-mean gain above this host's run-to-run noise (2 %)
@@ -247,7 +247,7 @@ def tune_shape(shape, args):
             print(f"T={T:6d} no candidate ran", flush=True)
             continue
         if not args.aggregate:
-            record_winner(T * K / E, results[0][1], table_file(args.package))
+            record_winner(T * K / E, results[0][1], table_file())
         dflt = next((ms for ms, c in results if c == default), float("nan"))
         print(f"T={T:6d} segments {seg_ms*1e3:7.1f} us | default {dflt*1e3:8.1f} us | best {results[0][0]*1e3:8.1f} us "
               f"{results[0][1]} | 2nd {results[1][0]*1e3 if len(results) > 1 else 0:8.1f} us "

@@ -226,8 +226,10 @@ def test_a_tuning_run_writes_its_gpu_models_own_table(own_tables, monkeypatch):
     spec.loader.exec_module(tune)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA B200")
     monkeypatch.delenv("OUT", raising=False)
-    path = tune.table_file(package=False)
-    assert path == own_tables / "NVIDIA_B200.json" and tune.table_file(package=True) == moe_gemm.CONFIG_FILE
+    path = tune.table_file()
+    monkeypatch.setattr(tune, "PACKAGE", True)
+    assert path == own_tables / "NVIDIA_B200.json" and tune.table_file() == moe_gemm.CONFIG_FILE
+    monkeypatch.setattr(tune, "PACKAGE", False)
     winner = moe_gemm.GemmConfig(64, 64, 32, 4, 2, 2)
     tune.record_winner(100, winner, path)
     tune.record_winner(2, moe_gemm.GemmConfig(16, 64, 128, 4, 2), path)  # a second bucket, the first one kept

@@ -153,6 +153,8 @@ def own_tile_table(device_name: str) -> list[tuple[float, GemmConfig]] | None:
     per process (``own_tile_table.cache_clear()`` reads it again), or None where there is none."""
     path = tile_table_path(device_name)
     return read_tile_table(path) if device_name and path.is_file() else None
+
+
 #: The smallest expert (bytes of its w13 and w2) that keeps its bucket's group_m; smaller experts sweep with
 #: group_m = 1. H200, 2026-12-02 (BENCHMARKS.md, "One tile table for every shape"): group_m = 8 against 1 timed
 #: 0.84-0.91x on Mixtral (352 MB an expert) at T = 1024-16384, 0.97-1.00x at 129-512 rows an expert on four
