@@ -62,8 +62,8 @@ def test_the_tile_schedule_rule_claims_tiles_only_on_long_calls(monkeypatch):
     the segments' own zeroed counter of that GEMM (or a fresh zeroed one where they have none), the static one (no
     counter) below; a named schedule runs on any call."""
     monkeypatch.setattr(gluon_gemm, "_multiprocessors", lambda device: 132)
-    values = torch.randint(0, 8, (2000,), dtype=torch.int32)
-    segments = build_segments_triton(values, 8, 128)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU box runs no Triton kernel on CPU tensors)
+    segments = build_segments_triton(torch.randint(0, 8, (2000,), dtype=torch.int32, device=device), 8, 128)
     counters = segments.tile_counters
     least = gluon_gemm.DYNAMIC_MIN_TILES_A_PROGRAM * 132
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "rule")
@@ -86,9 +86,11 @@ def test_the_tile_schedule_rule_claims_tiles_only_on_long_calls(monkeypatch):
 
 
 def test_an_unknown_tile_schedule_is_refused(monkeypatch):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    segments = build_segments_triton(torch.zeros(8, dtype=torch.int32, device=device), 1, 128)
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "round-robin")
     with pytest.raises(ValueError, match="TILE_SCHEDULE"):
-        gluon_gemm._schedule(4, build_segments_triton(torch.zeros(8, dtype=torch.int32), 1, 128), 1)
+        gluon_gemm._schedule(4, segments, 1)
 
 
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])

@@ -326,8 +326,9 @@ if gluon is not None:
             s = j % 2
             mbarrier.wait(empty.index(s), ((j // 2) & 1) ^ 1)
             t = gl.atomic_add(counter_ptr, 1)
-            if t == num_tiles + gl.num_programs(0) - 1:
-                gl.store(counter_ptr, 0)
+            # a masked store, not an if: with the branch, Triton 3.6's dynamic GEMM1 hung on the H100 (even with
+            # the if never taken)
+            gl.store(counter_ptr, 0, mask=t == num_tiles + gl.num_programs(0) - 1)
             ids.index(s).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
             _partition_barrier()
             mbarrier.arrive(full.index(s))
