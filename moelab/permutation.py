@@ -58,6 +58,9 @@ class Segments:
     tile: int
     num_groups: int
     token_ordered: bool = False  # rows inside each group follow a caller's token order (not the slots' order)
+    # int32 [2], zeroed with the segments (the Triton construction's first launch): the Gluon GEMM1's and GEMM2's
+    # tile counters for their dynamic schedule, which each call leaves at zero again; None: each call zeroes its own
+    tile_counters: torch.Tensor | None = None
 
 
 def build_segments(group: torch.Tensor, num_groups: int, tile: int) -> Segments:

@@ -58,30 +58,39 @@ def test_the_dynamic_tile_schedule_compiles_for_sm90(gemm, lora, own, monkeypatc
 
 
 def test_the_tile_schedule_rule_claims_tiles_only_on_long_calls(monkeypatch):
-    """The rule (the default) runs the dynamic schedule, with a zeroed counter, from DYNAMIC_MIN_TILES_A_PROGRAM
-    tiles a multiprocessor, the static one (no counter) below; a named schedule runs on any call."""
+    """The rule (the default) runs the dynamic schedule from DYNAMIC_MIN_TILES_A_PROGRAM tiles a multiprocessor, on
+    the segments' own zeroed counter of that GEMM (or a fresh zeroed one where they have none), the static one (no
+    counter) below; a named schedule runs on any call."""
     monkeypatch.setattr(gluon_gemm, "_multiprocessors", lambda device: 132)
-    placeholder = torch.full((4,), 7, dtype=torch.int32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU box runs no Triton kernel on CPU tensors)
+    segments = build_segments_triton(torch.randint(0, 8, (2000,), dtype=torch.int32, device=device), 8, 128)
+    counters = segments.tile_counters
     least = gluon_gemm.DYNAMIC_MIN_TILES_A_PROGRAM * 132
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "rule")
-    grid, schedule = gluon_gemm._schedule(least - 1, placeholder)
-    assert grid == (132,) and schedule["DYNAMIC"] is False and schedule["tile_counter_ptr"] is placeholder
-    grid, schedule = gluon_gemm._schedule(least, placeholder)
-    assert grid == (132,) and schedule["DYNAMIC"] is True
-    assert schedule["tile_counter_ptr"].tolist() == [0] and schedule["tile_counter_ptr"].dtype == torch.int32
+    grid, schedule = gluon_gemm._schedule(least - 1, segments, 1)
+    assert grid == (132,) and schedule["DYNAMIC"] is False and schedule["tile_counter_ptr"] is segments.block_group
+    for gemm in (1, 2):
+        grid, schedule = gluon_gemm._schedule(least, segments, gemm)
+        assert grid == (132,) and schedule["DYNAMIC"] is True
+        counter = schedule["tile_counter_ptr"]
+        assert counter.tolist() == [0] and counter.data_ptr() == counters.data_ptr() + 4 * (gemm - 1)
+    fresh = gluon_gemm._schedule(least, dataclasses.replace(segments, tile_counters=None), 1)[1]["tile_counter_ptr"]
+    assert fresh.tolist() == [0] and fresh.dtype == torch.int32 and fresh.data_ptr() != counters.data_ptr()
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "static")
-    assert gluon_gemm._schedule(10 * least, placeholder)[1]["DYNAMIC"] is False
+    assert gluon_gemm._schedule(10 * least, segments, 1)[1]["DYNAMIC"] is False
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "dynamic")
-    grid, schedule = gluon_gemm._schedule(100, placeholder)
+    grid, schedule = gluon_gemm._schedule(100, segments, 2)
     assert grid == (100,) and schedule["DYNAMIC"] is True and schedule["tile_counter_ptr"].tolist() == [0]
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "grid")
-    assert gluon_gemm._schedule(1000, placeholder)[0] == (1000,)
+    assert gluon_gemm._schedule(1000, segments, 1)[0] == (1000,)
 
 
 def test_an_unknown_tile_schedule_is_refused(monkeypatch):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    segments = build_segments_triton(torch.zeros(8, dtype=torch.int32, device=device), 1, 128)
     monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", "round-robin")
     with pytest.raises(ValueError, match="TILE_SCHEDULE"):
-        gluon_gemm._schedule(4, torch.zeros(1, dtype=torch.int32))
+        gluon_gemm._schedule(4, segments, 1)
 
 
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
@@ -313,24 +322,29 @@ def test_gluon_gemms_against_float64(T, E, K, H, I, skew, group_m, delta, monkey
 @pytest.mark.parametrize("skew,group_m", [(False, 1), (True, 2)])
 def test_tile_schedules_give_the_static_rows(schedule, skew, group_m, monkeypatch):
     """Eight times more output tiles than multiprocessors (and with ``skew`` a dead tail): each schedule writes every
-    row tile once, the static schedule's bits (which test_gluon_gemms_against_float64 checks), no NaN poison left."""
+    row tile once, the static schedule's bits (which test_gluon_gemms_against_float64 checks), no NaN poison left.
+    The dynamic schedule claims its tiles from the segments' own counters and leaves them at zero: a second call
+    on the same segments gives the same rows."""
     T, E, K, H, I = 16384, 8, 2, 512, 512
     w13, w2, x, ids, weights = _problem(T, E, K, H, I, hash((schedule, skew)) % 2**31, skew)
     config = dataclasses.replace(moe_gemm.choose_config(T, K, E), group_m=group_m)
     assert config.block_m == 128, "the case must make 128-row tiles"
     calls = _gluon_calls(monkeypatch)
-    rows = {}
-    for name in ("static", schedule):
-        monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", name)
-        _, seg, act, out = _segments_and_poisoned_rows(ids, weights, E, config, I, H)
+    rows, seg = {}, None
+    for name in ("static", schedule, "again"):  # again: the schedule's second call on its segments
+        monkeypatch.setattr(gluon_gemm, "TILE_SCHEDULE", schedule if name == "again" else name)
+        _, fresh, act, out = _segments_and_poisoned_rows(ids, weights, E, config, I, H)
+        seg = seg if name == "again" else fresh
         moe_gemm.gemm1_swiglu(x, w13, act, seg, top_k=K, config=config, dead_fill=float("nan"))
         moe_gemm.gemm2(act, w2, out, seg, config=config, dead_fill=float("nan"))
         rows[name] = (act, out)
-    assert calls == ["gemm1_swiglu_ws", "gemm2_ws"] * 2, "the Gluon kernels did not run"
+        assert seg.tile_counters.tolist() == [0, 0], f"{name}: the tile counters were not left at zero"
+    assert calls == ["gemm1_swiglu_ws", "gemm2_ws"] * 3, "the Gluon kernels did not run"
     live = seg.row_to_slot >= 0
-    for want, got in zip(rows["static"], rows[schedule]):
-        assert not got[live].isnan().any(), f"{schedule}: rows left unwritten"
-        assert torch.equal(got[live], want[live]) and got[~live].isnan().all()
+    for name in (schedule, "again"):
+        for want, got in zip(rows["static"], rows[name]):
+            assert not got[live].isnan().any(), f"{name}: rows left unwritten"
+            assert torch.equal(got[live], want[live]) and got[~live].isnan().all()
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernels run wgmma: an sm_90 GPU (the H100/H200)")

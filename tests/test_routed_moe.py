@@ -409,17 +409,25 @@ def test_segments_past_the_scatters_own_scan_take_the_scan_launch(N, G, monkeypa
         (40, 9000, 16, 0, 0, 9000),  # more groups than MAX_GROUPS: the torch construction
     ],
 )
-def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high, device):
-    from moelab.kernels.segments import build_segments_triton
+def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high, device, monkeypatch):
+    """Every output of the segments kernels written (their buffers come poisoned), equal to the torch construction's;
+    the Gluon GEMMs' two tile counters zeroed (the torch construction has none)."""
+    from moelab.kernels import segments
     from moelab.permutation import build_segments
 
     values = torch.randint(low, high, (N,), dtype=torch.int32, device=device)
-    got = build_segments_triton(values, G, tile, offset)
     want = build_segments(values.long() - offset, G, tile)
+    empty = torch.empty
+    monkeypatch.setattr(segments.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
+    got = segments.build_segments_triton(values, G, tile, offset)
     assert torch.equal(got.slot_to_row, want.slot_to_row)
     assert torch.equal(got.row_to_slot, want.row_to_slot)
     assert torch.equal(got.block_group, want.block_group)
-    no_map = build_segments_triton(values, G, tile, offset, tile_map=False)  # the slot maps alone
+    if G <= segments.MAX_GROUPS:
+        assert got.tile_counters.tolist() == [0, 0] and got.tile_counters.dtype == torch.int32
+    else:
+        assert got.tile_counters is None and want.tile_counters is None
+    no_map = segments.build_segments_triton(values, G, tile, offset, tile_map=False)  # the slot maps alone
     assert no_map.block_group.numel() == 0
     assert torch.equal(no_map.slot_to_row, want.slot_to_row)
     assert torch.equal(no_map.row_to_slot, want.row_to_slot)

@@ -87,10 +87,10 @@ TILE_SCHEDULE = os.environ.get("MOELAB_TILE_SCHEDULE", "rule")
 TILE_SCHEDULES = ("rule", "static", "dynamic", "grid")
 #: The rule's threshold. On the static schedule an expert's row tiles (the second often a few rows past the first
 #: 128) run on programs that drift apart over a long call, so the L2 seldom serves the second tile's weights and
-#: DRAM streams them twice; claimed in order, they run side by side. A dynamic call pays a zeroed counter (one
-#: more launch) and an atomic a tile. H100, scripts/tma_ab.py (d242bf6): DeepSeek-V3 T = 4096 0.79x the static
-#: schedule's time (GEMM1's DRAM reads 23.2 -> 17.7 GB), T = 16384 0.88x; Qwen3-30B-A3B, Mixtral, OLMoE and
-#: GPT-OSS-20B at T = 1024-16384 0.97-1.02x.
+#: DRAM streams them twice; claimed in order, they run side by side. A dynamic call pays an atomic a tile; its
+#: counter is the segments' own (``Segments.tile_counters``, zeroed by their first launch; else one launch more).
+#: H100, scripts/tma_ab.py (d242bf6): DeepSeek-V3 T = 4096 0.79x the static schedule's time (GEMM1's DRAM reads
+#: 23.2 -> 17.7 GB), T = 16384 0.88x; Qwen3-30B-A3B, Mixtral, OLMoE and GPT-OSS-20B at T = 1024-16384 0.97-1.02x.
 DYNAMIC_MIN_TILES_A_PROGRAM = 2
 
 
@@ -317,13 +317,18 @@ if gluon is not None:
         return ids, full, empty
 
     @gluon.jit
-    def _claim_tile(counter_ptr, ids, full, empty, j, DYNAMIC: gl.constexpr):
+    def _claim_tile(counter_ptr, num_tiles, ids, full, empty, j, DYNAMIC: gl.constexpr):
         """The load partition's ``j``-th output tile: the next of the counter, handed to the MMA partition through
-        slot j % 2 of the tile ring (DYNAMIC), or every num_programs-th from the program's own."""
+        slot j % 2 of the tile ring (DYNAMIC), or every num_programs-th from the program's own. Each program's
+        last claim is the first past ``num_tiles``, so the call's last claim (num_tiles + num_programs - 1) sets
+        the counter back to zero for the next call on the same segments."""
         if DYNAMIC:
             s = j % 2
             mbarrier.wait(empty.index(s), ((j // 2) & 1) ^ 1)
             t = gl.atomic_add(counter_ptr, 1)
+            # a masked store, not an if: with the branch, Triton 3.6's dynamic GEMM1 hung on the H100 (even with
+            # the if never taken)
+            gl.store(counter_ptr, 0, mask=t == num_tiles + gl.num_programs(0) - 1)
             ids.index(s).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
             _partition_barrier()
             mbarrier.arrive(full.index(s))
@@ -389,7 +394,7 @@ if gluon is not None:
         it = 0  # K steps issued so far: slot it % STAGES, its (it // STAGES)-th use
         pending = -1  # the adapter loop: the slot of the last LoRA step, its copies in flight, its arrival owed
         j = 0  # output tiles so far
-        t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+        t = _claim_tile(tile_counter_ptr, num_m * num_n, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         while t < num_m * num_n:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
@@ -443,7 +448,7 @@ if gluon is not None:
                     _rows_landed(ready.index(pending), 0)
                     pending = -1
             j += 1
-            t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+            t = _claim_tile(tile_counter_ptr, num_m * num_n, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         if LORA_OWN:
             if pending >= 0:  # the last tile's last LoRA copies
                 _rows_landed(ready.index(pending), 0)
@@ -553,7 +558,7 @@ if gluon is not None:
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
         it = 0
         j = 0  # output tiles so far
-        t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+        t = _claim_tile(tile_counter_ptr, num_m * num_n, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
         while t < num_m * num_n:
             pid_m, pid_n, expert = _tile_expert(block_group_ptr, t, num_m, num_n, num_live_blocks, GROUP_M)
             if expert >= 0:
@@ -609,7 +614,7 @@ if gluon is not None:
                             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                             it += 1
             j += 1
-            t = _claim_tile(tile_counter_ptr, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
+            t = _claim_tile(tile_counter_ptr, num_m * num_n, tile_ids, tiles_full, tiles_empty, j, DYNAMIC)
 
     @gluon.jit
     def _rows_landed(bar, OUTSTANDING: gl.constexpr):
@@ -761,19 +766,25 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _schedule(num_tiles: int, placeholder: torch.Tensor) -> tuple[tuple[int], dict]:
+def _schedule(num_tiles: int, segments: Segments, gemm: int) -> tuple[tuple[int], dict]:
     """The grid for ``num_tiles`` output tiles and the kernels' schedule arguments under ``TILE_SCHEDULE``: a zeroed
-    int32 tile counter (dynamic; else ``placeholder``, an int32 tensor on the device) and DYNAMIC."""
+    int32 tile counter (dynamic: ``segments.tile_counters[gemm - 1]``, or a fresh one where they have none; else
+    ``segments.block_group``, never read) and DYNAMIC."""
     if TILE_SCHEDULE not in TILE_SCHEDULES:
         raise ValueError(f"gluon_gemm.TILE_SCHEDULE (MOELAB_TILE_SCHEDULE): expected one of {TILE_SCHEDULES}, got "
                          f"{TILE_SCHEDULE!r}")
-    device = placeholder.device
+    device = segments.block_group.device
     programs = _multiprocessors(device)
     schedule = TILE_SCHEDULE
     if schedule == "rule":
         schedule = "dynamic" if num_tiles >= DYNAMIC_MIN_TILES_A_PROGRAM * programs else "static"
     dynamic = schedule == "dynamic"
-    counter = torch.zeros(1, dtype=torch.int32, device=device) if dynamic else placeholder
+    if not dynamic:
+        counter = segments.block_group
+    elif segments.tile_counters is not None:
+        counter = segments.tile_counters[gemm - 1:gemm]
+    else:
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
     grid = num_tiles if schedule == "grid" else min(num_tiles, programs)
     return (grid,), dict(tile_counter_ptr=counter, DYNAMIC=dynamic)
 
@@ -916,7 +927,7 @@ def gemm2_ws(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: S
     a_desc = _descriptor(act[:reach], [block_m, block_k])
     w_desc = _descriptor(w2.view(E_local * H, I), [block_n, block_k])
     out_desc = _descriptor(out[:reach], [block_m, block_n])
-    grid, schedule = _schedule(cdiv(reach, block_m) * cdiv(H, block_n), segments.block_group)
+    grid, schedule = _schedule(cdiv(reach, block_m) * cdiv(H, block_n), segments, 2)
     _gemm2_ws_kernel[grid](a_desc, w_desc, out_desc, segments.block_group, segments.block_group.numel(), reach, H,
                            I, **_lora_args(lora, 2, act), bias_ptr=bias if bias is not None else act,
                            row_to_slot_ptr=segments.row_to_slot, **schedule, STAGES=stages, GROUP_M=group_m,
@@ -971,7 +982,7 @@ def gemm1_swiglu_ws(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, segme
     block_n, block_k, stages = tile
     w_desc = _descriptor(w13.view(E_local * two_i, H), [block_n, block_k])
     out_desc = _descriptor(act[:reach], [block_m, block_n])
-    grid, schedule = _schedule(cdiv(reach, block_m) * cdiv(I, block_n), segments.block_group)
+    grid, schedule = _schedule(cdiv(reach, block_m) * cdiv(I, block_n), segments, 1)
     _gemm1_swiglu_ws_kernel[grid](x, x.stride(0), segments.row_to_slot, top_k, w_desc, out_desc,
                                   segments.block_group, segments.block_group.numel(), reach, H, I,
                                   delta if delta is not None else x, two_i,

@@ -167,13 +167,16 @@ def _fill_padding_rows(row_to_slot_ptr, lane, start, end, CHUNK: tl.constexpr):
 
 
 @jit
-def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slot_ptr, num_slots, offset, num_groups,
-                           num_rows, rows_per_chunk, adapter_ptr, top_k, num_experts, CHUNK: tl.constexpr,
-                           G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr, ATOMIC: tl.constexpr,
-                           ORDERED: tl.constexpr = False):
+def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slot_ptr, tile_counters_ptr, num_slots,
+                           offset, num_groups, num_rows, rows_per_chunk, adapter_ptr, top_k, num_experts,
+                           CHUNK: tl.constexpr, G_BINS: tl.constexpr, PACKED: tl.constexpr, BY_ADAPTER: tl.constexpr,
+                           ATOMIC: tl.constexpr, ORDERED: tl.constexpr = False):
     """Each chunk's histogram and its exclusive scan over groups; also the -1 fill of this chunk's share of
-    ``row_to_slot`` (the padding rows; the scatter, a later launch, writes the live ones)."""
+    ``row_to_slot`` (the padding rows; the scatter, a later launch, writes the live ones) and, in the first
+    program, the zeroed ``Segments.tile_counters``."""
     chunk = tl.program_id(0)
+    if chunk == 0:
+        _zero_tile_counters(tile_counters_ptr)
     lane = tl.arange(0, CHUNK)
     r_end = tl.minimum((chunk + 1) * rows_per_chunk, num_rows)
     _fill_padding_rows(row_to_slot_ptr, lane, chunk * rows_per_chunk, r_end, CHUNK)
@@ -184,6 +187,12 @@ def _segments_count_kernel(values_ptr, hist_ptr, chunk_bin_start_ptr, row_to_slo
     if not ATOMIC:
         tl.store(hist_ptr + chunk * G_BINS + bins, hist)
     tl.store(chunk_bin_start_ptr + chunk * G_BINS + bins, tl.cumsum(hist, axis=0) - hist)
+
+
+@jit
+def _zero_tile_counters(tile_counters_ptr):
+    """Zero the two int32 ``Segments.tile_counters`` (one program of the launch)."""
+    tl.store(tile_counters_ptr + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int32))
 
 
 @jit
@@ -278,11 +287,12 @@ def _segments_scatter_kernel(values_ptr, chunk_bin_start_ptr, chunk_base_ptr, se
 
 @jit
 def _segments_one_chunk_kernel(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr,
-                               num_slots, offset, num_groups, num_rows, num_blocks, adapter_ptr, top_k,
-                               num_experts, TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
+                               tile_counters_ptr, num_slots, offset, num_groups, num_rows, num_blocks, adapter_ptr,
+                               top_k, num_experts, TILE: tl.constexpr, CHUNK: tl.constexpr, G_BINS: tl.constexpr,
                                PACKED: tl.constexpr, CB: tl.constexpr, BY_ADAPTER: tl.constexpr,
                                BISECT: tl.constexpr, USE_GDC: tl.constexpr = False, ORDERED: tl.constexpr = False):
     wait_for_previous_kernel(USE_GDC)
+    _zero_tile_counters(tile_counters_ptr)
     one_chunk_segments(values_ptr, scratch_ptr, slot_to_row_ptr, row_to_slot_ptr, block_group_ptr, num_slots, offset,
                        num_groups, num_rows, num_blocks, TILE, CHUNK, G_BINS, PACKED, CB, adapter_ptr, top_k,
                        num_experts, BY_ADAPTER, BISECT, ORDERED)
@@ -346,7 +356,7 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
     sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
     num_warps = min(num_warps, 4)  # the launch's other programs (the fused LoRA's shrinks) were tuned at 4
     # One allocation for every output and the scratch (each allocation is host time at decode sizes).
-    slot_to_row, row_to_slot, block_group, scratch = torch.empty(
+    slot_to_row, row_to_slot, block_group, _, scratch = torch.empty(  # (the tile counters: the launcher's to zero)
         total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
     return OneChunkPlan(
         Segments(slot_to_row, row_to_slot, block_group, tile, num_groups),
@@ -360,12 +370,12 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
 @functools.lru_cache(maxsize=4096)
 def _one_chunk_layout(n: int, num_groups: int, tile: int) -> tuple[tuple[int, ...], int, int, int, int, int]:
     """Host arithmetic of the one-program segments of ``n`` slots, computed once per shape: the split of the one
-    int32 buffer (slot_to_row, row_to_slot, block_group, scratch) and its size, the live rows, CHUNK, G_BINS and
-    the warps."""
+    int32 buffer (slot_to_row, row_to_slot, block_group, the two tile counters, scratch) and its size, the live
+    rows, CHUNK, G_BINS and the warps."""
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
     chunk = next_pow2(n)
-    sizes = (n, rows, rows // tile, 2 * g_bins if g_bins > BISECT_BINS else g_bins)
+    sizes = (n, rows, rows // tile, 2, 2 * g_bins if g_bins > BISECT_BINS else g_bins)
     # on the H200, 256 slots: 7.0 µs at 2 warps, 7.8 at 4; on the H100 (scripts/segments_profile.py at db3bc8f),
     # 1024 slots: 7.4 µs at 8 warps against 8.7 at 4 (128 experts), 6.8 against 7.7 (64)
     return sizes, sum(sizes), rows, chunk, g_bins, 8 if chunk == MAX_CHUNK else 4 if chunk > 256 else 2
@@ -441,15 +451,15 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                     ORDERED=ordered)
     if n <= MAX_CHUNK:  # one program (the arithmetic of plan_one_chunk: decode calls are host-bound)
         sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
-        slot_to_row, row_to_slot, block_group, scratch = torch.empty(
+        slot_to_row, row_to_slot, block_group, tile_counters, scratch = torch.empty(
             total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
         block_group = block_group if tile_map else block_group[:0]
-        _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, n, offset,
-                                         num_groups, rows, block_group.numel(), **adapters, TILE=tile, CHUNK=chunk,
-                                         G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
+        _segments_one_chunk_kernel[(1,)](values, scratch, slot_to_row, row_to_slot, block_group, tile_counters, n,
+                                         offset, num_groups, rows, block_group.numel(), **adapters, TILE=tile,
+                                         CHUNK=chunk, G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins),
                                          num_warps=num_warps,
                                          **(_runtime.pdl_launch(values.device) if pdl is None else pdl))
-        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups, ordered)
+        return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups, ordered, tile_counters)
     device = values.device
     rows = max_live_rows(n, num_groups, tile)
     g_bins = next_pow2(num_groups + 1)  # the last bin collects the slots in no group
@@ -458,12 +468,13 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
     many = g_bins > BISECT_BINS  # the scan launch(es) over BG bins a program and the atomic histogram (the map: below)
     bg = SCAN_BINS if many else g_bins
     scratch_size = 3 * num_chunks * g_bins + g_bins
-    buf = torch.empty(n + rows + rows // tile + scratch_size, dtype=torch.int32, device=device)
-    slot_to_row, row_to_slot, block_group, scratch = buf.split_with_sizes([n, rows, rows // tile, scratch_size])
+    buf = torch.empty(n + rows + rows // tile + 2 + scratch_size, dtype=torch.int32, device=device)
+    slot_to_row, row_to_slot, block_group, tile_counters, scratch = buf.split_with_sizes(
+        [n, rows, rows // tile, 2, scratch_size])
     hist, chunk_bin_start, chunk_base, seg_start = scratch.split_with_sizes([num_chunks * g_bins] * 3 + [g_bins])
-    _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, row_to_slot, n, offset, num_groups, rows,
-                                          cdiv(rows, num_chunks), **adapters, CHUNK=chunk, G_BINS=g_bins,
-                                          PACKED=packed, ATOMIC=many, num_warps=warps)
+    _segments_count_kernel[(num_chunks,)](values, hist, chunk_bin_start, row_to_slot, tile_counters, n, offset,
+                                          num_groups, rows, cdiv(rows, num_chunks), **adapters, CHUNK=chunk,
+                                          G_BINS=g_bins, PACKED=packed, ATOMIC=many, num_warps=warps)
     scan = {}
     if many or num_chunks * g_bins > SCAN_IN_SCATTER_MAX_COUNTS:
         _segments_scan_kernel[(g_bins // bg,)](hist, chunk_base, seg_start, num_chunks, num_groups, TILE=tile,
@@ -479,4 +490,4 @@ def build_segments_triton(values: torch.Tensor, num_groups: int, tile: int, offs
                                             cdiv(num_blocks, num_chunks), **adapters, TILE=tile, CHUNK=chunk,
                                             G_BINS=g_bins, PACKED=packed, **_block_group_map(g_bins), **scan,
                                             num_warps=warps)
-    return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups, ordered)
+    return Segments(slot_to_row, row_to_slot, block_group, tile, num_groups, ordered, tile_counters)
