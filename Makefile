@@ -18,7 +18,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # The installed torch's version, read from its metadata (importing torch before NumPy is installed warns).
 TORCH_PIN = "torch==$$($(PY) -c 'from importlib.metadata import version; print(version("torch").split("+")[0])')"
 
-.PHONY: lab test lint browser-deps clean
+.PHONY: lab test lint sm90-compile browser-deps clean
 
 # A venv made by a Python that runs in a venv itself (a CUDA torch often lives in one) sees, with
 # --system-site-packages, the base installation's site-packages but not that venv's: a .pth file adds them.
@@ -46,7 +46,20 @@ lint: $(VENV)/.test
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(SM90_VENV) build
+
+# Every kernel compiled for sm_90 (no GPU needed) under the Triton a GPU machine runs, before GPU time is spent on a
+# kernel change: another Triton can reject a kernel the tests' Triton compiles (or build it differently). Its own
+# venv (torch's CPU build, that Triton); the PTX lands in build/ptx-sm90 (scripts/ptx_sm90.py).
+#   make sm90-compile                      # Triton 3.6.0, the one a CUDA torch 2.11 pins
+#   make sm90-compile GPU_TRITON=3.5.1
+GPU_TRITON ?= 3.6.0
+SM90_VENV ?= .venv-sm90
+sm90-compile:
+	test -x $(SM90_VENV)/bin/python || $(PYTHON) -m venv $(SM90_VENV)
+	$(SM90_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 triton==$(GPU_TRITON) \
+	  "numpy<2.4" $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
+	PYTHONPATH=$(CURDIR) $(SM90_VENV)/bin/python scripts/ptx_sm90.py build/ptx-sm90 --gluon --segments --options --tma
 
 # The browser test's browser, from the package registries only (no browser download). Debian's Chromium when no
 # chromium is on the PATH: with apt as root (CI), else through sudo when it asks no password. Anyone else gets Qt

@@ -136,14 +136,18 @@ GLUON = {"gluon_gemm1": dict(gemm="gemm1"), "gluon_gemm1_3stages_grouped": dict(
          "gluon_gemm2": dict(gemm="gemm2"), "gluon_gemm2_grouped": dict(gemm="gemm2", group_m=8),
          "gluon_gemm2_lora": dict(gemm="gemm2", lora=(4, 16, 16)),
          "gluon_gemm1_adapter_loop": dict(gemm="gemm1", lora=(1, 64, 64), lora_own=True),
-         "gluon_gemm2_adapter_loop": dict(gemm="gemm2", lora=(1, 64, 64), lora_own=True)}
+         "gluon_gemm2_adapter_loop": dict(gemm="gemm2", lora=(1, 64, 64), lora_own=True),
+         "gluon_gemm1_dynamic": dict(gemm="gemm1", dynamic=True),
+         "gluon_gemm2_dynamic": dict(gemm="gemm2", dynamic=True),
+         "gluon_gemm1_adapter_loop_dynamic": dict(gemm="gemm1", lora=(1, 64, 64), lora_own=True, dynamic=True),
+         "gluon_gemm2_adapter_loop_dynamic": dict(gemm="gemm2", lora=(1, 64, 64), lora_own=True, dynamic=True)}
 
 
 def write_ptx(out_dir: str, name: str, ptx: str) -> None:
     """``<out_dir>/<name>.ptx``, and a line with its hash."""
     with open(os.path.join(out_dir, f"{name}.ptx"), "w") as f:
         f.write(ptx)
-    print(f"{name:<28} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
+    print(f"{name:<34} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
 
 
 def main(out_dir: str) -> None:
