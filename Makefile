@@ -48,18 +48,22 @@ lint: $(VENV)/.test
 clean:
 	rm -rf $(VENV) $(SM90_VENV) build
 
-# Every kernel compiled for sm_90 (no GPU needed) under the Triton a GPU machine runs, before GPU time is spent on a
-# kernel change: another Triton can reject a kernel the tests' Triton compiles (or build it differently). Its own
-# venv (torch's CPU build, that Triton); the PTX lands in build/ptx-sm90 (scripts/ptx_sm90.py).
+# The GEMM, segments and Gluon kernels (scripts/ptx_sm90.py: the routed GEMMs in their variants, warp-specialised
+# and TMA ones too) compiled for sm_90 (no GPU needed) under the Triton a GPU machine runs, before GPU time is spent
+# on a kernel change: another Triton can reject a kernel the tests' Triton compiles (or build it differently). Its
+# own venv: torch's CPU build (which pins no Triton: from local disk, or pass TORCH_INDEX as for `make lab`) and that
+# Triton; the PTX lands in build/ptx-sm90.
 #   make sm90-compile                      # Triton 3.6.0, the one a CUDA torch 2.11 pins
-#   make sm90-compile GPU_TRITON=3.5.1
+#   make sm90-compile GPU_TRITON=3.5.1 TORCH_INDEX=https://download.pytorch.org/whl/cpu
 GPU_TRITON ?= 3.6.0
+SM90_TORCH ?= torch==2.13.0
 SM90_VENV ?= .venv-sm90
 sm90-compile:
 	test -x $(SM90_VENV)/bin/python || $(PYTHON) -m venv $(SM90_VENV)
-	$(SM90_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 triton==$(GPU_TRITON) \
+	$(SM90_VENV)/bin/python -m pip install -q --disable-pip-version-check $(SM90_TORCH) triton==$(GPU_TRITON) \
 	  "numpy<2.4" $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
-	PYTHONPATH=$(CURDIR) $(SM90_VENV)/bin/python scripts/ptx_sm90.py build/ptx-sm90 --gluon --segments --options --tma
+	PYTHONPATH=$(CURDIR) $(SM90_VENV)/bin/python scripts/ptx_sm90.py build/ptx-sm90 --gluon --segments --options \
+	  --tma --ws
 
 # The browser test's browser, from the package registries only (no browser download). Debian's Chromium when no
 # chromium is on the PATH: with apt as root (CI), else through sudo when it asks no password. Anyone else gets Qt

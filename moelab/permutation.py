@@ -59,7 +59,8 @@ class Segments:
     num_groups: int
     token_ordered: bool = False  # rows inside each group follow a caller's token order (not the slots' order)
     # int32 [2], zeroed with the segments (the Triton construction's first launch): the Gluon GEMM1's and GEMM2's
-    # tile counters for their dynamic schedule, which each call leaves at zero again; None: each call zeroes its own
+    # tile counters for their dynamic schedule, which each call leaves at zero again; None: each call zeroes its own.
+    # So one GEMM1 and one GEMM2 at a time on these segments: two GEMM1s at once (other streams) share a counter
     tile_counters: torch.Tensor | None = None
 
 

@@ -426,7 +426,7 @@ def test_segments_kernel_equals_torch_construction(N, G, tile, offset, low, high
     if G <= segments.MAX_GROUPS:
         assert got.tile_counters.tolist() == [0, 0] and got.tile_counters.dtype == torch.int32
     else:
-        assert got.tile_counters is None and want.tile_counters is None
+        assert got.tile_counters is None
     no_map = segments.build_segments_triton(values, G, tile, offset, tile_map=False)  # the slot maps alone
     assert no_map.block_group.numel() == 0
     assert torch.equal(no_map.slot_to_row, want.slot_to_row)

@@ -356,7 +356,8 @@ def plan_one_chunk(values: torch.Tensor, num_groups: int, tile: int, offset: int
     sizes, total, rows, chunk, g_bins, num_warps = _one_chunk_layout(n, num_groups, tile)
     num_warps = min(num_warps, 4)  # the launch's other programs (the fused LoRA's shrinks) were tuned at 4
     # One allocation for every output and the scratch (each allocation is host time at decode sizes).
-    slot_to_row, row_to_slot, block_group, _, scratch = torch.empty(  # (the tile counters: the launcher's to zero)
+    # (its two tile counters unused: these segments carry none, so a dynamic Gluon GEMM zeroes its own)
+    slot_to_row, row_to_slot, block_group, _, scratch = torch.empty(
         total, dtype=torch.int32, device=values.device).split_with_sizes(sizes)
     return OneChunkPlan(
         Segments(slot_to_row, row_to_slot, block_group, tile, num_groups),
