@@ -18,7 +18,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # The installed torch's version, read from its metadata (importing torch before NumPy is installed warns).
 TORCH_PIN = "torch==$$($(PY) -c 'from importlib.metadata import version; print(version("torch").split("+")[0])')"
 
-.PHONY: lab test lint sm90-compile browser-deps clean
+.PHONY: lab test lint sm90-compile sm90-launches browser-deps clean
 
 # A venv made by a Python that runs in a venv itself (a CUDA torch often lives in one) sees, with
 # --system-site-packages, the base installation's site-packages but not that venv's: a .pth file adds them.
@@ -53,17 +53,27 @@ clean:
 # on a kernel change: another Triton can reject a kernel the tests' Triton compiles (or build it differently). Its
 # own venv: torch's CPU build (which pins no Triton: from local disk, or pass TORCH_INDEX as for `make lab`) and that
 # Triton; the PTX lands in build/ptx-sm90.
+# LAUNCHES=<folder> adds every kernel launch the tests recorded there (`make sm90-launches` records them: the
+# kernel files' tests with MOELAB_RECORD_LAUNCHES, tests/conftest.py), each at the tests' own interpreter tiles.
 #   make sm90-compile                      # Triton 3.6.0, the one a CUDA torch 2.11 pins
 #   make sm90-compile GPU_TRITON=3.5.1 TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   make sm90-launches && make sm90-compile LAUNCHES=build/launches
 GPU_TRITON ?= 3.6.0
 SM90_TORCH ?= torch==2.13.0
 SM90_VENV ?= .venv-sm90
+LAUNCHES ?=
+LAUNCH_TESTS ?= tests/test_routed_moe.py tests/test_token_major.py tests/test_lora.py tests/test_lora_banks.py \
+  tests/test_kernel_activations.py tests/test_moe_gemm_order.py tests/test_packing.py
 sm90-compile:
 	test -x $(SM90_VENV)/bin/python || $(PYTHON) -m venv $(SM90_VENV)
 	$(SM90_VENV)/bin/python -m pip install -q --disable-pip-version-check $(SM90_TORCH) triton==$(GPU_TRITON) \
 	  "numpy<2.4" $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
 	PYTHONPATH=$(CURDIR) $(SM90_VENV)/bin/python scripts/ptx_sm90.py build/ptx-sm90 --gluon --segments --options \
-	  --tma --ws
+	  --tma --ws $(if $(strip $(LAUNCHES)),--launched $(LAUNCHES))
+
+sm90-launches: $(VENV)/.test
+	rm -rf build/launches
+	MOELAB_RECORD_LAUNCHES=build/launches $(PY) -m pytest -q -n 2 -p no:cacheprovider $(LAUNCH_TESTS)
 
 # The browser test's browser, from the package registries only (no browser download). Debian's Chromium when no
 # chromium is on the PATH: with apt as root (CI), else through sudo when it asks no password. Anyone else gets Qt

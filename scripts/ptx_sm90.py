@@ -9,6 +9,8 @@ refactor leaves the compiled code unchanged.
     python scripts/ptx_sm90.py build/ptx --tma --ws  # and those with WARP_SPECIALIZE (compare gemm*_tma_ws.ptx)
     python scripts/ptx_sm90.py build/ptx --gluon     # also the Gluon GEMMs (both tile orders, delta, LoRA modes)
     python scripts/ptx_sm90.py build/ptx --segments  # also the segments kernels (moelab/kernels/segments.py)
+    MOELAB_RECORD_LAUNCHES=build/launches pytest tests/test_token_major.py   # record the tests' launches, then
+    python scripts/ptx_sm90.py build/ptx --launched build/launches           # compile each (tests/conftest.py)
 
 Line info is off (a moved source line would change the debug labels only); pointers, sizes and strides carry
 the divisibility-by-16 hint a real launch at the H200 shapes gets. Variants: the default SwiGLU GEMM1 and GEMM2 at
@@ -17,7 +19,10 @@ a prefill and a decode tile, with a delta, and with the fused LoRA in both modes
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import importlib
+import json
 import os
 import sys
 
@@ -150,6 +155,37 @@ def write_ptx(out_dir: str, name: str, ptx: str) -> None:
     print(f"{name:<34} {hashlib.sha256(ptx.encode()).hexdigest()[:16]} {len(ptx)} chars")
 
 
+def launched_variants(folder: str) -> dict:
+    """The kernel launches the tests recorded under ``folder`` (``MOELAB_RECORD_LAUNCHES``, tests/conftest.py), once
+    each: name -> (record, constexprs), with the GPU's dot flags (the interpreter upcasts bf16 dot operands:
+    ``moelab.kernels._common.dot_flags``). The interpreter's launches run its own modest tiles, so these cover each
+    kernel's code at those tiles; the GPU's tiles are the fixed variants above."""
+    variants = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                constexprs = dict(record["constexprs"])
+                if "DOT_F32" in constexprs:
+                    constexprs["DOT_F32"] = constexprs.get("DOT_PRECISION") == "ieee"
+                key = json.dumps([record["module"], record["kernel"], record["signature"], constexprs,
+                                  record["options"]], sort_keys=True)
+                name = f"{record['kernel']}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+                variants.setdefault(name, (record, constexprs))
+    return variants
+
+
+def compile_launched(record: dict, constexprs: dict) -> str:
+    """A recorded launch's PTX for sm_90: its argument types, its 16-byte-aligned pointers and multiples of 16
+    hinted, its constexprs and warps."""
+    kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
+    signature = {n: "constexpr" if n in constexprs else record["signature"][n] for n in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in record["hinted"]}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = dict(num_warps=record["options"].get("num_warps", 4), num_stages=record["options"].get("num_stages", 3))
+    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     chosen = VARIANTS | (OPTIONS if "--options" in sys.argv else {}) | (TMA if "--tma" in sys.argv else {}) \
@@ -164,6 +200,17 @@ def main(out_dir: str) -> None:
 
         for name, args in GLUON.items():
             write_ptx(out_dir, name, gluon_gemm.compile_sm90(**args).asm["ptx"])
+    if "--launched" in sys.argv:
+        failed = []
+        for name, (record, constexprs) in launched_variants(sys.argv[sys.argv.index("--launched") + 1]).items():
+            try:
+                write_ptx(out_dir, name, compile_launched(record, constexprs))
+            except Exception as e:  # every launch tried, each failure named; the script fails at the end
+                last = [line for line in str(e).splitlines() if line.strip()][-1:] or [""]  # Triton's reason
+                failed.append(f"{name} ({record['module']}): {type(e).__name__}: {last[0][:200]}")
+                print(f"{name:<34} FAILED")
+        if failed:
+            sys.exit("kernels that did not compile for sm_90:\n  " + "\n  ".join(failed))
 
 
 if __name__ == "__main__":

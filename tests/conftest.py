@@ -44,3 +44,60 @@ def _no_graphs_of_other_tests():
 def device():
     """The CUDA GPU when there is one (the lent H200), else the CPU (Triton runs interpreted)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+
+def recording_run(folder: str, run):
+    """``ScopedInterpretedFunction.run`` that also writes each interpreted moelab launch's kernel, argument types,
+    constexprs and options, once each, as JSON lines in ``<folder>/<worker>.jsonl`` (``run``: the method it wraps),
+    for ``scripts/ptx_sm90.py --launched <folder>`` to compile for sm_90. ``MOELAB_RECORD_LAUNCHES=<folder>``
+    installs it for the whole session (``make sm90-launches``)."""
+    import inspect
+    import json
+
+    import triton.language as tl
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl")
+    seen = set()
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+             torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+             torch.bool: "i1"}
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        bound = inspect.signature(self.fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        bound.apply_defaults()
+        signature, constexprs, hinted = {}, {}, []
+        for name, value in bound.arguments.items():
+            annotation = params[name].annotation
+            if annotation is tl.constexpr or annotation == "tl.constexpr" or value is None:
+                constexprs[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + types[value.dtype]
+                if value.data_ptr() % 16 == 0:
+                    hinted.append(name)
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                if value % 16 == 0:
+                    hinted.append(name)
+            else:
+                signature[name] = "fp32"
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        line = json.dumps(dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=signature,
+                               constexprs=constexprs, hinted=hinted, options=options), sort_keys=True)
+        if line not in seen:
+            seen.add(line)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    return recording
+
+
+if os.environ.get("MOELAB_RECORD_LAUNCHES"):
+    from moelab.kernels.interpret import ScopedInterpretedFunction
+
+    ScopedInterpretedFunction.run = recording_run(os.environ["MOELAB_RECORD_LAUNCHES"], ScopedInterpretedFunction.run)

@@ -293,3 +293,40 @@ def test_large_experts_take_128_row_tiles_past_32_rows(monkeypatch):
         assert tile(rows) == table(rows).block_m, rows
     monkeypatch.setattr(gluon_gemm, "GLUON", False)
     assert all(tile(rows) == table(rows).block_m for rows in moved)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the launch recorder wraps the interpreter's launches (no GPU)")
+def test_recorded_launches_compile_for_sm90(monkeypatch, tmp_path):
+    """``make sm90-launches`` then ``make sm90-compile LAUNCHES=...``: a routed call's interpreted launches are
+    recorded with their argument types and constexprs (bf16 operands; the interpreter's fp32 dots turned back into
+    the GPU's bf16 ones), and every recorded launch compiles for sm_90 in a process that does not interpret."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import recording_run
+
+    from moelab.kernels.interpret import ScopedInterpretedFunction
+
+    monkeypatch.setattr(ScopedInterpretedFunction, "run", recording_run(str(tmp_path), ScopedInterpretedFunction.run))
+    T, K, E, H, I = 5, 2, 4, 64, 32
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    weights = moelab.prepare_weights(torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16(),
+                                     backend="triton")
+    moelab.routed_moe((ids, torch.rand(T, K)), torch.randn(T, H).bfloat16(), weights, num_experts=E, top_k=K)
+    records = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
+    with_x = [r for r in records if "x_ptr" in r["signature"]]
+    assert with_x and all(r["signature"]["x_ptr"] == "*bf16" for r in with_x), records
+    assert any(r["constexprs"].get("DOT_F32") is True for r in records), "the interpreter's launches upcast"
+    scripts = ROOT.parent / "scripts"
+    code = ("import sys, ptx_sm90\n"
+            "variants = ptx_sm90.launched_variants(sys.argv[1])\n"
+            "assert not any(c.get('DOT_F32') for r, c in variants.values()), 'the GPU multiplies bf16 as it is'\n"
+            "ptxs = [ptx_sm90.compile_launched(r, c) for r, c in variants.values()]\n"
+            "print(len(ptxs), sum('.target sm_90' in p for p in ptxs))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=scripts, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, for_sm90 = map(int, done.stdout.split()[-2:])
+    assert compiled == for_sm90 and compiled >= len({r["kernel"] for r in records}), done.stdout
