@@ -158,20 +158,29 @@ def write_ptx(out_dir: str, name: str, ptx: str) -> None:
 def launched_variants(folder: str) -> dict:
     """The kernel launches the tests recorded under ``folder`` (``MOELAB_RECORD_LAUNCHES``, tests/conftest.py), once
     each: name -> (record, constexprs), with the GPU's dot flags (the interpreter upcasts bf16 dot operands:
-    ``moelab.kernels._common.dot_flags``). The interpreter's launches run its own modest tiles, so these cover each
-    kernel's code at those tiles; the GPU's tiles are the fixed variants above."""
+    ``moelab.kernels._common.dot_flags``), and each launch with a ``USE_GDC`` switch also with it on (the
+    interpreter never launches with programmatic dependent launch; the GPU's graphs do). The interpreter's launches
+    run its own modest tiles, so these cover each kernel's code at those tiles; the GPU's tiles are the fixed
+    variants above. No record under ``folder``: a SystemExit (a wrong folder, or tests run under TRITON_INTERPRET=1,
+    whose launches are not moelab's to record)."""
     variants = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+    paths = sorted(glob.glob(os.path.join(folder, "*.jsonl")))
+    for path in paths:
         with open(path) as f:
             for line in f:
                 record = json.loads(line)
                 constexprs = dict(record["constexprs"])
                 if "DOT_F32" in constexprs:
                     constexprs["DOT_F32"] = constexprs.get("DOT_PRECISION") == "ieee"
-                key = json.dumps([record["module"], record["kernel"], record["signature"], constexprs,
-                                  record["options"]], sort_keys=True)
-                name = f"{record['kernel']}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-                variants.setdefault(name, (record, constexprs))
+                for gdc in ((False, True) if "USE_GDC" in constexprs else (None,)):
+                    if gdc is not None:
+                        constexprs = {**constexprs, "USE_GDC": gdc}
+                    key = json.dumps([record["module"], record["kernel"], record["signature"], constexprs,
+                                      record["options"]], sort_keys=True)
+                    name = f"{record['kernel']}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+                    variants.setdefault(name, (record, constexprs))
+    if not variants:
+        sys.exit(f"--launched {folder}: no recorded launch there (record them with `make sm90-launches`)")
     return variants
 
 

@@ -56,13 +56,11 @@ def recording_run(folder: str, run):
     import json
 
     import triton.language as tl
+    from triton.runtime.jit import mangle_type
 
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl")
+    path = os.path.abspath(os.path.join(folder, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"))
     seen = set()
-    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-             torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-             torch.bool: "i1"}
 
     def recording(self, *args, grid, warmup, **kwargs):
         params = inspect.signature(self.fn).parameters
@@ -71,20 +69,16 @@ def recording_run(folder: str, run):
         signature, constexprs, hinted = {}, {}, []
         for name, value in bound.arguments.items():
             annotation = params[name].annotation
-            if annotation is tl.constexpr or annotation == "tl.constexpr" or value is None:
+            # Triton's own specialization: constexprs, None and integers equal to 1 are constants; the types are
+            # Triton's (mangle_type); 16-byte-aligned pointers and integers divisible by 16 are hinted
+            if annotation is tl.constexpr or annotation == "tl.constexpr" or value is None or (
+                    type(value) is int and value == 1):
                 constexprs[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
-            elif isinstance(value, torch.Tensor):
-                signature[name] = "*" + types[value.dtype]
-                if value.data_ptr() % 16 == 0:
-                    hinted.append(name)
-            elif isinstance(value, bool):
-                signature[name] = "i1"
-            elif isinstance(value, int):
-                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-                if value % 16 == 0:
-                    hinted.append(name)
             else:
-                signature[name] = "fp32"
+                signature[name] = mangle_type(value)
+                if (value.data_ptr() if isinstance(value, torch.Tensor) else value) % 16 == 0 and \
+                        not isinstance(value, (bool, float)):
+                    hinted.append(name)
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
         line = json.dumps(dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=signature,
                                constexprs=constexprs, hinted=hinted, options=options), sort_keys=True)

@@ -317,16 +317,18 @@ def test_recorded_launches_compile_for_sm90(monkeypatch, tmp_path):
     moelab.routed_moe((ids, torch.rand(T, K)), torch.randn(T, H).bfloat16(), weights, num_experts=E, top_k=K)
     records = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
     with_x = [r for r in records if "x_ptr" in r["signature"]]
-    assert with_x and all(r["signature"]["x_ptr"] == "*bf16" for r in with_x), records
+    assert with_x and all(r["signature"]["x_ptr"] == "*bf16" and "x_ptr" in r["hinted"] for r in with_x), records
     assert any(r["constexprs"].get("DOT_F32") is True for r in records), "the interpreter's launches upcast"
     scripts = ROOT.parent / "scripts"
     code = ("import sys, ptx_sm90\n"
             "variants = ptx_sm90.launched_variants(sys.argv[1])\n"
             "assert not any(c.get('DOT_F32') for r, c in variants.values()), 'the GPU multiplies bf16 as it is'\n"
-            "ptxs = [ptx_sm90.compile_launched(r, c) for r, c in variants.values()]\n"
-            "print(len(ptxs), sum('.target sm_90' in p for p in ptxs))\n")
+            "assert any(c.get('USE_GDC') for r, c in variants.values()), 'the graphs launch with PDL'\n"
+            "ptxs = [(ptx_sm90.compile_launched(r, c), r['options'].get('num_warps', 4))\n"
+            "        for r, c in variants.values()]\n"
+            "print(len(ptxs), sum(f'.reqntid {32 * warps}' in p for p, warps in ptxs))\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=scripts, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
     assert done.returncode == 0, done.stderr[-3000:]
-    compiled, for_sm90 = map(int, done.stdout.split()[-2:])
-    assert compiled == for_sm90 and compiled >= len({r["kernel"] for r in records}), done.stdout
+    compiled, warps_kept = map(int, done.stdout.split()[-2:])
+    assert compiled == warps_kept and compiled >= len({r["kernel"] for r in records}), done.stdout
