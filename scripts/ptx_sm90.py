@@ -89,16 +89,21 @@ def arg_type(name: str, consts: dict) -> str:
     return "i32"
 
 
+def compile_for_sm90(kernel, types: dict, constexprs: dict, hinted, **options) -> str:
+    """``kernel``'s PTX for sm_90: each argument a constexpr of ``constexprs`` or of its type in ``types``, the
+    arguments named in ``hinted`` divisible by 16, Triton's ``options`` (num_warps, num_stages)."""
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+
+
 def compile_ptx(kernel, given: dict) -> str:
     consts = {p.name: given.get(p.name, p.default) for p in kernel.params
               if p.is_constexpr or (p.name not in given and p.default is None)}  # None args specialise to constexpr
-    signature = {n: "constexpr" if n in consts else arg_type(n, {**BASE, **given}) for n in kernel.arg_names}
-    hinted = [i for i, n in enumerate(kernel.arg_names)
-              if n not in consts and (n.endswith("_ptr") or n in ("H", "I") or n.startswith("stride_"))]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in hinted}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    options = dict(num_warps=4, num_stages=3 if given["BLOCK_M"] >= 64 else 4)
-    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    types = {n: arg_type(n, {**BASE, **given}) for n in kernel.arg_names if n not in consts}
+    hinted = [n for n in types if n.endswith("_ptr") or n in ("H", "I") or n.startswith("stride_")]
+    return compile_for_sm90(kernel, types, consts, hinted, num_warps=4, num_stages=3 if given["BLOCK_M"] >= 64 else 4)
 
 
 def segment_variants() -> dict:
@@ -126,12 +131,9 @@ def compile_segments_ptx(kernel, given: dict, num_warps: int) -> str:
     """A segments kernel's PTX: int32 pointers (or the type ``given`` names) hinted 16-byte aligned, i32 scalars."""
     consts = {p.name: given.get(p.name, p.default) for p in kernel.params
               if p.is_constexpr or (p.name not in given and p.default is None)}
-    signature = {n: "constexpr" if n in consts else given[n] if isinstance(given.get(n), str)
-                 else "*i32" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-             if n not in consts and n.endswith("_ptr")}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps)).asm["ptx"]
+    types = {n: given[n] if isinstance(given.get(n), str) else "*i32" if n.endswith("_ptr") else "i32"
+             for n in kernel.arg_names if n not in consts}
+    return compile_for_sm90(kernel, types, consts, [n for n in types if n.endswith("_ptr")], num_warps=num_warps)
 
 
 #: The Gluon GEMMs (``--gluon``): name -> compile_sm90's arguments (tile None: the default).
@@ -172,13 +174,12 @@ def launched_variants(folder: str) -> dict:
                 constexprs = dict(record["constexprs"])
                 if "DOT_F32" in constexprs:
                     constexprs["DOT_F32"] = constexprs.get("DOT_PRECISION") == "ieee"
-                for gdc in ((False, True) if "USE_GDC" in constexprs else (None,)):
-                    if gdc is not None:
-                        constexprs = {**constexprs, "USE_GDC": gdc}
-                    key = json.dumps([record["module"], record["kernel"], record["signature"], constexprs,
+                both = "USE_GDC" in constexprs
+                for chosen in ([{**constexprs, "USE_GDC": gdc} for gdc in (False, True)] if both else [constexprs]):
+                    key = json.dumps([record["module"], record["kernel"], record["signature"], chosen,
                                       record["options"]], sort_keys=True)
                     name = f"{record['kernel']}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-                    variants.setdefault(name, (record, constexprs))
+                    variants.setdefault(name, (record, chosen))
     if not variants:
         sys.exit(f"--launched {folder}: no recorded launch there (record them with `make sm90-launches`)")
     return variants
@@ -188,11 +189,9 @@ def compile_launched(record: dict, constexprs: dict) -> str:
     """A recorded launch's PTX for sm_90: its argument types, its 16-byte-aligned pointers and multiples of 16
     hinted, its constexprs and warps."""
     kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
-    signature = {n: "constexpr" if n in constexprs else record["signature"][n] for n in kernel.arg_names}
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in record["hinted"]}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = dict(num_warps=record["options"].get("num_warps", 4), num_stages=record["options"].get("num_stages", 3))
-    return triton.compile(source, target=TARGET, options=options).asm["ptx"]
+    return compile_for_sm90(kernel, record["signature"], constexprs, record["hinted"],
+                            num_warps=record["options"].get("num_warps", 4),
+                            num_stages=record["options"].get("num_stages", 3))
 
 
 def main(out_dir: str) -> None:

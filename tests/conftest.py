@@ -46,7 +46,6 @@ def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-
 def recording_run(folder: str, run):
     """``ScopedInterpretedFunction.run`` that also writes each interpreted moelab launch's kernel, argument types,
     constexprs and options, once each, as JSON lines in ``<folder>/<worker>.jsonl`` (``run``: the method it wraps),
@@ -63,8 +62,9 @@ def recording_run(folder: str, run):
     seen = set()
 
     def recording(self, *args, grid, warmup, **kwargs):
-        params = inspect.signature(self.fn).parameters
-        bound = inspect.signature(self.fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        signature_of_fn = inspect.signature(self.fn)
+        params = signature_of_fn.parameters
+        bound = signature_of_fn.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
         bound.apply_defaults()
         signature, constexprs, hinted = {}, {}, []
         for name, value in bound.arguments.items():
