@@ -76,8 +76,8 @@ def recording_run(folder: str, run):
                 constexprs[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
             else:
                 signature[name] = mangle_type(value)
-                if (value.data_ptr() if isinstance(value, torch.Tensor) else value) % 16 == 0 and \
-                        not isinstance(value, (bool, float)):
+                if not isinstance(value, (bool, float)) and \
+                        (value.data_ptr() if isinstance(value, torch.Tensor) else value) % 16 == 0:
                     hinted.append(name)
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
         line = json.dumps(dict(module=self.fn.__module__, kernel=self.fn.__name__, signature=signature,
