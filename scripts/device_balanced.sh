@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on one GPU call, the steps of RUNS in turn (default: tests prefetch narrow):
+# Issue 12 on one GPU call, the steps of RUNS in turn (default: narrow prefetch tests):
 #   tests:    tests/test_token_major.py's CUDA-graph tests (the weights' L2 prefetch on and off) and
 #             tests/test_gluon_gemm.py, stopped after TESTS_S seconds
 #   prefetch: scripts/prefetch_ab.py on PF_SHAPES at PF_T (GEMM2's W2 prefetch before its wait for GEMM1, token-major
@@ -13,14 +13,14 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-build/balanced}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
 . "$(dirname "$0")/device_env.sh"
-for step in ${RUNS:-tests prefetch narrow}; do
+for step in ${RUNS:-narrow prefetch tests}; do
   el "$step"
   case $step in
-    tests) PYTHONPATH=$PWD gpu_tests "${TESTS_S:-150}" tests/test_token_major.py tests/test_gluon_gemm.py ;;
-    prefetch) (cd scripts && PYTHONPATH=$PWD/.. timeout "${PF_S:-240}" python3 prefetch_ab.py \
+    tests) PYTHONPATH=$PWD gpu_tests "${TESTS_S:-100}" tests/test_token_major.py tests/test_gluon_gemm.py ;;
+    prefetch) (cd scripts && PYTHONPATH=$PWD/.. timeout "${PF_S:-200}" python3 prefetch_ab.py \
           --shape "${PF_SHAPES:-qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b}" --tokens "${PF_T:-1,2,8,32,128}" \
           --json "$OUT/prefetch.json" 2>&1 | grep -v -i warn | tee "$OUT/prefetch.md") ;;
-    narrow) (cd scripts && PYTHONPATH=$PWD/.. timeout "${NARROW_S:-300}" python3 gluon_ab.py --tokens "${NARROW_T:-1024}" \
+    narrow) (cd scripts && PYTHONPATH=$PWD/.. timeout "${NARROW_S:-240}" python3 gluon_ab.py --tokens "${NARROW_T:-1024}" \
           --shape "${NARROW_SHAPES:-olmoe;64,6,2048,1408;gpt-oss-20b;mixtral;128,8,4096,1536}" \
           --gemm1-tiles "${NARROW_GEMM1:-32,64,8;64,64,6;128,64,4}" --tiles "${NARROW_GEMM2:-64,64,8;128,64,6;256,64,3}" \
           --json "$OUT/narrow.json" 2>&1 | grep -v "^\s*$" | grep -v -i warn | tee "$OUT/narrow.md") ;;
