@@ -18,8 +18,8 @@ for step in ${RUNS:-narrow prefetch ncu tests}; do
   el "$step"
   case $step in
     tests) PYTHONPATH=$PWD gpu_tests "${TESTS_S:-60}" tests/test_token_major.py -k cuda_graph ;;
-    prefetch) (cd scripts && PYTHONPATH=$PWD/.. timeout "${PF_S:-180}" python3 prefetch_ab.py \
-          --shape "${PF_SHAPES:-qwen3-30b-a3b;olmoe;64,6,2048,1408;gpt-oss-20b}" --tokens "${PF_T:-1,2,8,32,128}" \
+    prefetch) (cd scripts && PYTHONPATH=$PWD/.. timeout "${PF_S:-150}" python3 prefetch_ab.py \
+          --shape "${PF_SHAPES:-qwen3-30b-a3b;olmoe;gpt-oss-20b}" --tokens "${PF_T:-1,32,128}" \
           --json "$OUT/prefetch.json" 2>&1 | grep -v -i warn | tee "$OUT/prefetch.md") ;;
     narrow) (cd scripts && PYTHONPATH=$PWD/.. timeout "${NARROW_S:-220}" python3 gluon_ab.py --tokens "${NARROW_T:-1024}" \
           --shape "${NARROW_SHAPES:-olmoe;64,6,2048,1408;gpt-oss-20b;mixtral;128,8,4096,1536}" \
