@@ -216,7 +216,7 @@ GEMM2_MAX_STAGES = 3
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
 #: GEMM2's programs ask the L2 for their W2 rows before they wait for GEMM1 (``PREFETCH``; launches with programmatic
 #: dependent launch only, i.e. in CUDA graphs on SM 9.0+), so the weights stream in while GEMM1's last tiles run.
-#: ``MOELAB_PREFETCH_W2=0`` turns it off. Not measured yet: off.
+#: Off unless ``MOELAB_PREFETCH_W2=1``.
 PREFETCH_W2: bool = os.environ.get("MOELAB_PREFETCH_W2", "0") == "1"
 
 

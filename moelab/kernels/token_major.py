@@ -314,6 +314,7 @@ def _token_major_gemm2_kernel(
     for GEMM1, so under programmatic dependent launch they stream in while GEMM1's last programs run. The routing
     is read before the wait too: GEMM1 has passed its own wait before this kernel starts, so whatever kernel wrote
     the routing has ended and its writes are visible."""
+    wait_for_previous_kernel(USE_GDC and not PREFETCH)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -327,7 +328,7 @@ def _token_major_gemm2_kernel(
     if PREFETCH:
         prefetch_rows_l2(w2_ptr + expert.to(tl.int64)[:, None] * stride_w_e + cols.to(tl.int64)[None, :] * stride_w_n,
                          local[:, None] & col_ok[None, :], I)
-    wait_for_previous_kernel(USE_GDC)
+        wait_for_previous_kernel(USE_GDC)
     if flags_ptr is not None:  # GEMM1 has ended (the wait above): no program reads them any more
         if tl.program_id(1) == 0:
             tl.store(flags_ptr + slots, tl.zeros((K_PAD,), dtype=tl.int32), mask=k_ok)
