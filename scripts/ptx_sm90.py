@@ -22,7 +22,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib
-import itertools
 import json
 import os
 import sys
@@ -162,8 +161,7 @@ def launched_variants(folder: str) -> dict:
     """The kernel launches the tests recorded under ``folder`` (``MOELAB_RECORD_LAUNCHES``, tests/conftest.py), once
     each: name -> (record, constexprs), with the GPU's dot flags (the interpreter upcasts bf16 dot operands:
     ``moelab.kernels._common.dot_flags``), and each launch with a ``USE_GDC`` switch also with it on (the
-    interpreter never launches with programmatic dependent launch; the GPU's graphs do), and likewise with a
-    ``PREFETCH`` switch (the L2 prefetch the interpreter never runs). The interpreter's launches
+    interpreter never launches with programmatic dependent launch; the GPU's graphs do). The interpreter's launches
     run its own modest tiles, so these cover each kernel's code at those tiles; the GPU's tiles are the fixed
     variants above. No record under ``folder``: a SystemExit (a wrong folder, or tests run under TRITON_INTERPRET=1,
     whose launches are not moelab's to record)."""
@@ -176,9 +174,8 @@ def launched_variants(folder: str) -> dict:
                 constexprs = dict(record["constexprs"])
                 if "DOT_F32" in constexprs:
                     constexprs["DOT_F32"] = constexprs.get("DOT_PRECISION") == "ieee"
-                switches = [k for k in ("USE_GDC", "PREFETCH") if k in constexprs]
-                for values in itertools.product((False, True), repeat=len(switches)):
-                    chosen = {**constexprs, **dict(zip(switches, values))}
+                both = "USE_GDC" in constexprs
+                for chosen in ([{**constexprs, "USE_GDC": gdc} for gdc in (False, True)] if both else [constexprs]):
                     key = json.dumps([record["module"], record["kernel"], record["signature"], chosen,
                                       record["options"]], sort_keys=True)
                     name = f"{record['kernel']}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"

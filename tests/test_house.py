@@ -308,7 +308,6 @@ def test_recorded_launches_compile_for_sm90(monkeypatch, tmp_path):
     from conftest import recording_run
 
     from moelab.kernels.interpret import ScopedInterpretedFunction
-    from moelab.kernels.token_major import token_major_moe
 
     monkeypatch.setattr(ScopedInterpretedFunction, "run", recording_run(str(tmp_path), ScopedInterpretedFunction.run))
     T, K, E, H, I = 5, 2, 4, 64, 32
@@ -316,8 +315,6 @@ def test_recorded_launches_compile_for_sm90(monkeypatch, tmp_path):
     weights = moelab.prepare_weights(torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16(),
                                      backend="triton")
     moelab.routed_moe((ids, torch.rand(T, K)), torch.randn(T, H).bfloat16(), weights, num_experts=E, top_k=K)
-    token_major_moe(ids, torch.rand(T, K), torch.randn(T, H).bfloat16(), torch.randn(E, 2 * I, H).bfloat16(),
-                    torch.randn(E, H, I).bfloat16(), torch.empty(T, H).bfloat16())  # the decode path's kernels too
     records = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
     with_x = [r for r in records if "x_ptr" in r["signature"]]
     assert with_x and all(r["signature"]["x_ptr"] == "*bf16" and "x_ptr" in r["hinted"] for r in with_x), records
@@ -327,15 +324,9 @@ def test_recorded_launches_compile_for_sm90(monkeypatch, tmp_path):
             "variants = ptx_sm90.launched_variants(sys.argv[1])\n"
             "assert not any(c.get('DOT_F32') for r, c in variants.values()), 'the GPU multiplies bf16 as it is'\n"
             "assert any(c.get('USE_GDC') for r, c in variants.values()), 'the graphs launch with PDL'\n"
-            "assert any(c.get('PREFETCH') for r, c in variants.values()), 'the token-major L2 prefetch'\n"
-            "ptxs = [(ptx_sm90.compile_launched(r, c), r['options'].get('num_warps', 4), r['kernel'], c)\n"
+            "ptxs = [(ptx_sm90.compile_launched(r, c), r['options'].get('num_warps', 4))\n"
             "        for r, c in variants.values()]\n"
-            "for p, _, kernel, c in ptxs:  # GEMM2 asks for its weights before the wait for GEMM1, GEMM1 after\n"
-            "    pf, wait = p.find('prefetch.global.L2::evict_last'), p.find('griddepcontrol.wait')\n"
-            "    assert (pf >= 0) == bool(c.get('PREFETCH')), kernel\n"
-            "    if pf >= 0 and wait >= 0:\n"
-            "        assert (pf < wait) == ('gemm2' in kernel), kernel\n"
-            "print(len(ptxs), sum(f'.reqntid {32 * warps}' in p for p, warps, _, _ in ptxs))\n")
+            "print(len(ptxs), sum(f'.reqntid {32 * warps}' in p for p, warps in ptxs))\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=scripts, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
     assert done.returncode == 0, done.stderr[-3000:]

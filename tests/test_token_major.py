@@ -19,7 +19,7 @@ import moelab
 from moelab import reference
 from moelab.backends import eager_graphs, triton_backend
 from moelab.contract import ACTIVATIONS
-from moelab.kernels import moe_gemm, token_major
+from moelab.kernels import token_major
 from moelab.roofline import graphed
 
 pytestmark = [
@@ -244,20 +244,15 @@ def test_the_rule_in_a_call(device, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (runs on the H200)")
-@pytest.mark.parametrize("graph_limit, pdl, prefetch", [(0, True, False), (0, True, True), (1 << 30, True, False),
-                                                        (1 << 30, True, True), (1 << 30, False, False)],
-                         ids=["tiled-in-graphs", "tiled-in-graphs-prefetch", "token-major-in-graphs",
-                              "token-major-in-graphs-prefetch", "token-major-in-graphs-without-pdl"])
-def test_cuda_graph_capture_and_replay(graph_limit, pdl, prefetch, paths, monkeypatch):
+@pytest.mark.parametrize("graph_limit, pdl", [(0, True), (1 << 30, True), (1 << 30, False)],
+                         ids=["tiled-in-graphs", "token-major-in-graphs", "token-major-in-graphs-without-pdl"])
+def test_cuda_graph_capture_and_replay(graph_limit, pdl, paths, monkeypatch):
     """Eager calls take token-major; a captured call takes the path ``TOKEN_MAJOR_MAX_SLOTS_GRAPH`` says (both
     replay right, with fresh inputs copied in: the token-major kernels read the routing on the device), its tiles
-    launched with programmatic dependent launch or (``TokenMajorConfig.pdl`` False, Mixtral's) without, and with the
-    weights' L2 prefetch (``prefetch1``/``prefetch2``, ``moe_gemm.PREFETCH_W2``) or without."""
+    launched with programmatic dependent launch or (``TokenMajorConfig.pdl`` False, Mixtral's) without."""
     rule = token_major.choose_token_major_config
     monkeypatch.setattr(token_major, "choose_token_major_config",
-                        lambda *shape: dataclasses.replace(rule(*shape), pdl=pdl, prefetch1=prefetch,
-                                                           prefetch2=prefetch))
-    monkeypatch.setattr(moe_gemm, "PREFETCH_W2", prefetch)
+                        lambda *shape: dataclasses.replace(rule(*shape), pdl=pdl))
     monkeypatch.setattr(triton_backend, "TOKEN_MAJOR_MAX_SLOTS_GRAPH", graph_limit)
     T, K, E, H, I, device = 2, 4, 16, 256, 96, torch.device("cuda")
     p = _problem(T, K, E, H, I, dtype=torch.bfloat16, device=device, seed=5)

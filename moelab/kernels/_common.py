@@ -66,28 +66,6 @@ def wait_for_previous_kernel(USE_GDC: tl.constexpr):
 
 
 @jit
-def prefetch_l2(ptrs, mask):
-    """Ask the L2 for the 128-byte line holding each address of ``ptrs`` where ``mask`` is true (PTX
-    ``prefetch.global.L2::evict_last``): nothing comes into registers and nothing waits for it. Compiled kernels only
-    (the interpreter runs no PTX): callers guard it with a constexpr that is False when interpreting."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
-def prefetch_rows_l2(row_ptrs, row_mask, length, CHUNK: tl.constexpr = 16):
-    """:func:`prefetch_l2` of elements [0, ``length``) of each row that starts at ``row_ptrs`` (a 2-D tile of row
-    starts; the rows where ``row_mask``): one address a 128-byte line, CHUNK lines of every row a step."""
-    LINE: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-    lines = tl.arange(0, CHUNK) * LINE
-    for i0 in range(0, length, CHUNK * LINE):
-        offs = i0 + lines
-        prefetch_l2(row_ptrs[:, :, None] + offs[None, None, :],
-                    row_mask[:, :, None] & (offs < length)[None, None, :])
-
-
-@jit
 def routing_word_expert(word):
     """The global expert id of FlashInfer's int32 routing word ``(id << 16) | bf16(weight)``: its signed high half
     (an arithmetic shift; ``moelab.packing``)."""

@@ -49,7 +49,6 @@ from moelab.kernels._common import (
     dot_flags,
     expert_activation,
     jit,
-    prefetch_rows_l2,
     routing_word_weight,
     tma_ok,
     to_output,
@@ -214,10 +213,6 @@ GEMM2_MAX_STAGES = 3
 #: partition the loop on GPUs where Triton warp-specialises (not measured here). The warp-specialised schedule that
 #: sm_90 does get is written by hand in Gluon (``gluon_gemm.py``).
 WARP_SPECIALIZE = {"gemm1": False, "gemm2": False}
-#: GEMM2's programs ask the L2 for their W2 rows before they wait for GEMM1 (``PREFETCH``; launches with programmatic
-#: dependent launch only, i.e. in CUDA graphs on SM 9.0+), so the weights stream in while GEMM1's last tiles run.
-#: Off unless ``MOELAB_PREFETCH_W2=1``.
-PREFETCH_W2: bool = os.environ.get("MOELAB_PREFETCH_W2", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -556,17 +551,9 @@ def _gemm2_kernel(
     # W_DESC: act [num_rows, I] and w2 as [w_rows = E_local * H, I] through Hopper TMA descriptors (I * itemsize and
     # stride_act_r * itemsize multiples of 16 B), zero-filled past I; columns read past H are never stored
     w_rows=0, W_DESC: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    # PREFETCH (compiled only, with USE_GDC): the tile's W2 rows are asked of the L2 before the wait for GEMM1, so
-    # they stream in while GEMM1's last tiles run; the segments were written before GEMM1 passed its own wait
-    PREFETCH: tl.constexpr = False,
 ):
     pid_m, rows, cols, col_ok, out_ptrs, out_mask, expert, n0 = _tile_prologue(
-        out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M,
-        USE_GDC and not PREFETCH)
-    if PREFETCH:
-        prefetch_rows_l2(w2_ptr + expert.to(tl.int64) * stride_w_e + cols.to(tl.int64)[None, :] * stride_w_n,
-                         (col_ok & (expert >= 0))[None, :], I)
-        wait_for_previous_kernel(USE_GDC)
+        out_ptr, stride_out_r, block_group_ptr, num_live_blocks, num_rows, H, BLOCK_M, BLOCK_N, GROUP_M, USE_GDC)
     if expert < 0:
         tl.store(out_ptrs, tl.full((BLOCK_M, BLOCK_N), DEAD_FILL, out_ptr.dtype.element_ty), mask=out_mask)
         return
@@ -744,6 +731,5 @@ def gemm2(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, segments: Segm
         stride_act_r=act.stride(0), stride_w_e=w2.stride(0), stride_w_n=w2.stride(1), stride_out_r=out.stride(0),
         **lora_args, **dot_flags(act.dtype), DEAD_FILL=dead_fill,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=I % config.block_k == 0,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages,
-        PREFETCH=PREFETCH_W2 and bool(pdl) and not _runtime.INTERPRET, **(pdl or {}))
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=stages, **(pdl or {}))
     return out

@@ -66,7 +66,6 @@ from moelab.kernels import fused_lora
 from moelab.kernels._common import (
     expert_activation,
     jit,
-    prefetch_rows_l2,
     routing_word_expert,
     routing_word_weight,
     to_output,
@@ -89,8 +88,7 @@ class TokenMajorConfig:
     software pipeline depth (``tl.range(num_stages=...)``: Triton then prefetches the loop's loads, which it does
     not for loads that feed no ``tl.dot`` unless asked); None leaves the loop as Triton builds it unasked.
     ``pdl``: False launches both kernels without programmatic dependent launch in CUDA graphs too (each then starts
-    once the kernel before it has ended). ``prefetch1``/``prefetch2``: each program of GEMM1 / GEMM2 asks the L2 for
-    all its weight rows first (GEMM2 before its wait for GEMM1; compiled kernels only, ignored when interpreting)."""
+    once the kernel before it has ended)."""
 
     block_n1: int
     block_k1: int
@@ -101,8 +99,6 @@ class TokenMajorConfig:
     stages1: int | None = None
     stages2: int | None = None
     pdl: bool = True
-    prefetch1: bool = False
-    prefetch2: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,7 +176,7 @@ def _token_major_gemm1_kernel(
     USE_GDC: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None, s13_ptr=None, up_b_ptr=None, gate_b_ptr=None,
     down_a_ptr=None, s2_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
     STAGES: tl.constexpr = None, flags_ptr=None, up_a_ptr=None, gate_a_ptr=None, SHRINK_PROGRAMS: tl.constexpr = 0,
-    SHRINK_COLS: tl.constexpr = 2, SHRINK_BLOCK_K: tl.constexpr = 16, PREFETCH: tl.constexpr = False,
+    SHRINK_COLS: tl.constexpr = 2, SHRINK_BLOCK_K: tl.constexpr = 16,
 ):
     """act [T*K, I] row ``slot`` = the activation of GEMM1 (+ bias) of the slot's token and expert, columns
     ``(program_id(1) - SHRINK_PROGRAMS) * BLOCK_N + ...``; rows of non-local slots are not written (GEMM2 never
@@ -191,18 +187,11 @@ def _token_major_gemm1_kernel(
     ``flags_ptr[slot]``; the column-block programs run their K loop and wait for that count only before their
     LoRA epilogue. The shrink programs have the lowest block ids, so the GPU dispatches them before any program
     that waits on them (the order CUTLASS's stream-K fixup and CUB's decoupled look-back rely on too; the
-    interpreter runs them first); GEMM2 sets the flags back to 0. ``PREFETCH`` (compiled only): the program's
-    weight rows are asked of the L2 (``prefetch_rows_l2``) before its K loop."""
+    interpreter runs them first); GEMM2 sets the flags back to 0."""
     wait_for_previous_kernel(USE_GDC)
     slot = tl.program_id(0)
     col_block = tl.program_id(1) - SHRINK_PROGRAMS
     expert, local = _local_expert(tl.load(routing_ptr + slot), local_expert_offset, num_local_experts, PACKED)
-    if PREFETCH:  # after the wait: the routing may come from the kernel before this one
-        halves = tl.arange(0, 2)  # the gate rows, then the up rows (not GATED: the up rows only)
-        pf_cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_rows_l2(w13_ptr + expert * stride_w_e + (halves[:, None] * I + pf_cols[None, :]).to(tl.int64)
-                         * stride_w_n, (halves[:, None] < (2 if GATED else 1)) & (pf_cols < I)[None, :]
-                         & (local & (col_block >= 0)), H)
     if LORA:
         adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, slot // top_k, num_loras, max_rank)
     if SHRINK_PROGRAMS > 0:
@@ -301,7 +290,7 @@ def _token_major_gemm2_kernel(
     USE_GDC: tl.constexpr = False, ROUND_WEIGHTS: tl.constexpr = False, lora_ids_ptr=None, ranks_ptr=None,
     s2_ptr=None, down_b_ptr=None, num_loras=0, max_rank=1, LORA: tl.constexpr = False, R_PAD: tl.constexpr = 16,
     LORA_K_TILES: tl.constexpr = False, STAGES: tl.constexpr = None, EARLY_DOWN_B: tl.constexpr = False,
-    flags_ptr=None, PREFETCH: tl.constexpr = False,
+    flags_ptr=None,
 ):
     """out [T, H] row ``program_id(0)``, columns ``program_id(1) * BLOCK_N + ...``: the weighted sum over the
     token's local slots of GEMM2 (+ bias) rounded to the input dtype (``WEIGHTED`` False: summed unweighted, the
@@ -309,12 +298,8 @@ def _token_major_gemm2_kernel(
     ``LORA``: a token with an adapter adds each expert row's W2 expand before that row is rounded;
     ``EARLY_DOWN_B`` (the ranks in one tile: tiles of their own, or R_PAD <= BLOCK_K with ``LORA_K_TILES``): the
     B_down tile is loaded before the K loop; otherwise the K loop's tiles, one after another, after it.
-    ``flags_ptr`` (GEMM1's fused shrink): programs of column block 0 set the token's slot flags back to 0.
-    ``PREFETCH`` (compiled only): the program's W2 rows are asked of the L2 (``prefetch_rows_l2``) before the wait
-    for GEMM1, so under programmatic dependent launch they stream in while GEMM1's last programs run. The routing
-    is read before the wait too: GEMM1 has passed its own wait before this kernel starts, so whatever kernel wrote
-    the routing has ended and its writes are visible."""
-    wait_for_previous_kernel(USE_GDC and not PREFETCH)
+    ``flags_ptr`` (GEMM1's fused shrink): programs of column block 0 set the token's slot flags back to 0."""
+    wait_for_previous_kernel(USE_GDC)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -325,10 +310,6 @@ def _token_major_gemm2_kernel(
     expert, local = _local_expert(tl.load(routing_ptr + slots, mask=k_ok, other=-1), local_expert_offset,
                                   num_local_experts, PACKED)
     local = local & k_ok
-    if PREFETCH:
-        prefetch_rows_l2(w2_ptr + expert.to(tl.int64)[:, None] * stride_w_e + cols.to(tl.int64)[None, :] * stride_w_n,
-                         local[:, None] & col_ok[None, :], I)
-        wait_for_previous_kernel(USE_GDC)
     if flags_ptr is not None:  # GEMM1 has ended (the wait above): no program reads them any more
         if tl.program_id(1) == 0:
             tl.store(flags_ptr + slots, tl.zeros((K_PAD,), dtype=tl.int32), mask=k_ok)
@@ -453,11 +434,10 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         x_ptr=x, w13_ptr=w13, act_ptr=act, bias_ptr=w13_bias, H=H, I=I, stride_x_t=x.stride(0),
         stride_w_e=w13.stride(0), stride_w_n=w13.stride(1), IN_WEIGHT=weight_on_input, ACTIVATION=activation,
         GATED=gated, SWIGLU_ALPHA=swiglu_alpha, SWIGLU_LIMIT=swiglu_limit, BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, STAGES=cfg.stages1,
-        PREFETCH=cfg.prefetch1 and not _runtime.INTERPRET, **common, **lora1)
+        BLOCK_K=cfg.block_k1, num_warps=cfg.warps1, STAGES=cfg.stages1, **common, **lora1)
     _token_major_gemm2_kernel[(T, cdiv(H, cfg.block_n2))](
         act_ptr=act, w2_ptr=w2, out_ptr=output, bias_ptr=w2_bias, H=H, I=I, stride_w_e=w2.stride(0),
         stride_w_n=w2.stride(1), stride_out_t=output.stride(0), WEIGHTED=not weight_on_input, K_PAD=next_pow2(K),
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, STAGES=cfg.stages2,
-        ROUND_WEIGHTS=round_weights, PREFETCH=cfg.prefetch2 and not _runtime.INTERPRET, **common, **lora2)
+        ROUND_WEIGHTS=round_weights, **common, **lora2)
     return output
