@@ -9,6 +9,7 @@ with none local), shapes off the tiles (masked reduction steps and column blocks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import pytest
@@ -364,6 +365,26 @@ def test_lora_shrink_flags_return_to_zero(shrink_shape, device, monkeypatch):
         assert_close_to_reference(out, ref["output"], torch.float32, f"fused shrink, call {seed}")
         flags = token_major._slot_flags(x.device, T * K)
         assert torch.count_nonzero(flags) == 0, f"slot flags left set after call {seed}: {flags[:T * K].tolist()}"
+
+
+def test_no_adapter_ids_buffer(device, monkeypatch):
+    """A bank's call without ids reads its -1 ids from one buffer kept per device (no fill launch a call): the
+    buffer grows past its first size for a bigger call, no kernel writes it, and the rows equal those of the same
+    call given explicit -1 ids (every float buffer poisoned)."""
+    _poison_empty(monkeypatch)
+    monkeypatch.setattr(token_major, "_NO_ADAPTER_IDS", {})
+    monkeypatch.setattr(token_major, "_BUFFER_MIN_ELEMENTS", 4)
+    K, E, H, I = 2, 4, 16, 16
+    for T in (3, 9):  # 9: past the first buffer's 4
+        x, ids, w, w13, w2, lora_ids, bank = _lora_problem(T, K, E, H, I, torch.float32, device, ranks=(4,),
+                                                           max_rank=4, lora_ids=torch.full((T,), -1), seed=T)
+        run = functools.partial(token_major.token_major_moe, ids.contiguous(), w.contiguous(), x, w13, w2,
+                                round_weights=True, bank=bank)
+        out = run(torch.empty_like(x))
+        explicit = run(torch.empty_like(x), lora_ids=lora_ids.to(torch.int32).contiguous())
+        assert torch.equal(out, explicit), f"T={T}: rows without ids must equal those of explicit -1 ids"
+        kept = token_major._NO_ADAPTER_IDS[x.device]
+        assert kept.numel() >= T and bool((kept == -1).all()), f"T={T}: the kept -1 ids were written or too short"
 
 
 @pytest.mark.parametrize("window", [True, False], ids=["window", "all-local"])

@@ -49,6 +49,13 @@ Where the ranks fit one such tile, GEMM2 loads its B_down tile before its K loop
 hides behind the loop's: one rank-16 adapter at T = 2 in a four-layer CUDA graph, 45.2 against 47.4 µs a layer
 (Qwen3), 56.0 against 57.6 (OLMoE), 60.8 against 62.5 (E64 K6); GPT-OSS (8 slots, then the tiled pipeline) and
 T = 1 (then tiled too) unchanged (H200, 2026-12-04, c84b30f).
+The other LoRA operands are read ahead too: GEMM2 reads the routing weights, their w / bf16(w) and the rank vectors
+s2 with that B_down tile, before its K loop, and GEMM1 reads its B_up, B_gate and A_down tiles before it waits for
+the slot's shrink; a bank's call without ids takes its -1 ids from a buffer kept per device (no fill launch).
+One rank-16 adapter in a CUDA graph, one call a replay, µs, before -> after (H100, 2026-12-07, BENCHMARKS.md
+"Token-major LoRA operands read ahead"): T = 1 Qwen3-30B-A3B 48.65 -> 47.65 (base call 42.9), OLMoE 60.1 -> 56.75
+(54.1), 8 adapters 53.55 -> 51.75 and 63.65 -> 61.95; GPT-OSS-20B T = 2 168.15 -> 164.3; but T = 2 Qwen3 74.5 ->
+75.05 and OLMoE 92.35 -> 92.9; T = 4 within 0.6 %. The base kernels (no bank) keep their code.
 """
 
 from __future__ import annotations
@@ -204,10 +211,6 @@ def _token_major_gemm1_kernel(
                 tl.debug_barrier()
                 tl.atomic_add(flags_ptr + slot, 1, sem="release", scope="gpu")
     if local & (col_block >= 0):
-        if LORA:  # read before the K loop, which hides the latency
-            pair = tl.maximum(adapter, 0) * num_local_experts + expert  # (adapter, expert) of the bank's tensors
-            r = tl.arange(0, R_PAD)
-            rank_ok = r < rank  # LoRA tiles of their own, [BLOCK_N, R_PAD] (module docstring)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         ks = tl.arange(0, BLOCK_K)
@@ -235,28 +238,34 @@ def _token_major_gemm1_kernel(
                 acc_up += tl.load(b_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
             else:
                 acc_up += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        if LORA:
+        if LORA:  # the bank's tiles first (none read without an adapter: rank_ok is all False), their latency
+            # hidden behind the wait for the shrink; B [.., I, max_rank], A_down [.., max_rank, I]. The adapter and
+            # its rank, read at the start, are first used here: the K loop's loads never wait for them.
+            pair = tl.maximum(adapter, 0) * num_local_experts + expert  # (adapter, expert) of the bank's tensors
+            r = tl.arange(0, R_PAD)
+            rank_ok = r < rank  # LoRA tiles of their own, [BLOCK_N, R_PAD] (module docstring)
+            b_mask = col_ok[:, None] & rank_ok[None, :]
+            b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]
+            b_up = tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0)
+            if GATED:
+                b_gate = tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0)
+            a_offs = (pair * max_rank + r[None, :]) * I + cols.to(tl.int64)[:, None]
+            a_t = tl.load(down_a_ptr + a_offs, mask=b_mask, other=0.0).to(tl.float32)  # [BLOCK_N, R_PAD]
             if adapter >= 0:  # acc += B (A x): the slot's rank vectors [up | gate] from the shrink
                 done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")  # the slot's shrink programs
                 while done < SHRINK_PROGRAMS:
                     done = tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="gpu")
                 s_row = s13_ptr + slot.to(tl.int64) * (2 * R_PAD) + r
-                b_offs = (pair * I + cols.to(tl.int64)[:, None]) * max_rank + r[None, :]  # B [.., I, max_rank]
-                b_mask = col_ok[:, None] & rank_ok[None, :]  # rank_ok is all False without an adapter
                 s_up = tl.load(s_row, mask=rank_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                acc_up += tl.sum(tl.load(up_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32) * s_up[None, :], 1)
+                acc_up += tl.sum(b_up.to(tl.float32) * s_up[None, :], 1)
                 if GATED:
                     s_gate = tl.load(s_row + R_PAD, mask=rank_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    acc_gate += tl.sum(tl.load(gate_b_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
-                                       * s_gate[None, :], 1)
+                    acc_gate += tl.sum(b_gate.to(tl.float32) * s_gate[None, :], 1)
         act = to_output(expert_activation(acc_gate, acc_up, ACTIVATION, GATED, SWIGLU_ALPHA, SWIGLU_LIMIT),
                         act_ptr.dtype.element_ty)
         tl.store(act_ptr + slot.to(tl.int64) * I + cols, act, mask=col_ok)
         if LORA:
             if adapter >= 0:  # s2 += A_down[:, cols] act[cols], the stored (rounded) activation
-                a_offs = (pair * max_rank + r[None, :]) * I + cols.to(tl.int64)[:, None]  # A [.., max_rank, I]
-                a_t = tl.load(down_a_ptr + a_offs, mask=col_ok[:, None] & rank_ok[None, :],
-                              other=0.0).to(tl.float32)  # [BLOCK_N, R_PAD]
                 part = tl.sum(a_t * tl.where(col_ok, act.to(tl.float32), 0.0)[:, None], 0)
                 tl.atomic_add(s2_ptr + slot.to(tl.int64) * R_PAD + r, part, mask=rank_ok, sem="relaxed")
 
@@ -271,15 +280,14 @@ def _w2_down_b(ranks, rank, down_b_ptr, pair, H, cols, max_rank, w_rows_ok):
 
 
 @jit
-def _w2_expand(acc, b, ranks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD: tl.constexpr):
-    """``acc`` [K_PAD, BLOCK_N] plus the W2 expand over the rank columns ``ranks`` (those below ``rank`` read):
-    ``b`` (:func:`_w2_down_b`) times the slots' rank vectors s2 * ``ratio`` (w / bf16(w)) rounded to the input
-    dtype, as the tiled path rounds them."""
+def _w2_rank_vectors(ranks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD: tl.constexpr):
+    """The slots' W2 rank vectors over the rank columns ``ranks`` (those below ``rank`` read, the rest 0), fp32
+    [K_PAD, len(ranks)]: s2 * ``ratio`` (w / bf16(w)) rounded to the input dtype, as the tiled path rounds them.
+    The W2 expand is then ``sum(b * s2[:, None, :], axis=2)`` with ``b`` of :func:`_w2_down_b`."""
     r_ok = ranks < rank
     s2 = tl.load(s2_ptr + slots.to(tl.int64)[:, None] * R_PAD + ranks[None, :], mask=local[:, None] & r_ok[None, :],
                  other=0.0)
-    s2 = to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
-    return acc + tl.sum(b.to(tl.float32) * s2[:, None, :], axis=2)
+    return to_output(s2 * ratio, act_ptr.dtype.element_ty).to(tl.float32)
 
 
 @jit
@@ -317,12 +325,17 @@ def _token_major_gemm2_kernel(
     w_ptrs = (w2_ptr + expert[:, None, None] * stride_w_e + cols.to(tl.int64)[None, :, None] * stride_w_n
               + ks[None, None, :])  # [K_PAD, BLOCK_N, BLOCK_K]
     w_rows_ok = local[:, None, None] & col_ok[None, :, None]
+    if WEIGHTED and LORA:  # read before the K loop, whose loads hide its latency (a short kernel at T = 1)
+        slot_w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
     if LORA:
         adapter, rank = _token_adapter(lora_ids_ptr, ranks_ptr, t, num_loras, max_rank)
         pair = adapter * num_local_experts + expert  # [K_PAD]
+        ratio = caller_weight_ratio(weights_ptr, slots, local)[:, None]
         if EARLY_DOWN_B:  # [K_PAD, BLOCK_N, BLOCK_K] (LORA_K_TILES) or [K_PAD, BLOCK_N, R_PAD]
             ranks = ks if LORA_K_TILES else tl.arange(0, R_PAD)
             b = _w2_down_b(ranks, tl.where(adapter >= 0, rank, 0), down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
+            s2 = _w2_rank_vectors(ranks, tl.where(adapter >= 0, rank, 0), s2_ptr, slots, local, ratio, act_ptr,
+                                  R_PAD)
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
     for i0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         i_ok = ks + i0 < I
@@ -334,25 +347,28 @@ def _token_major_gemm2_kernel(
         acc += tl.load(bias_ptr + expert[:, None] * H + cols[None, :], mask=row_ok, other=0.0).to(tl.float32)
     if LORA:
         if adapter >= 0:  # acc += B_down (s2 w / bf16(w)): the LoRA term weighted by the caller's w in the end
-            ratio = caller_weight_ratio(weights_ptr, slots, local)[:, None]
             if EARLY_DOWN_B:
-                acc = _w2_expand(acc, b, ranks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
+                acc += tl.sum(b.to(tl.float32) * s2[:, None, :], axis=2)
             else:  # LORA_K_TILES, R_PAD > BLOCK_K: [K_PAD, BLOCK_N, BLOCK_K] tiles, ranks along BLOCK_K
                 for r0 in tl.static_range(0, R_PAD, BLOCK_K):
                     b = _w2_down_b(r0 + ks, rank, down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
-                    acc = _w2_expand(acc, b, r0 + ks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
+                    s2 = _w2_rank_vectors(r0 + ks, rank, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
+                    acc += tl.sum(b.to(tl.float32) * s2[:, None, :], axis=2)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
-        w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
+        if not LORA:
+            slot_w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
         if ROUND_WEIGHTS:
-            w = to_output(w, tl.bfloat16).to(tl.float32)
-        y = y * w[:, None]
+            slot_w = to_output(slot_w, tl.bfloat16).to(tl.float32)
+        y = y * slot_w[:, None]
     out = tl.sum(tl.where(row_ok, y, 0.0), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_out_t + cols, to_output(out, out_ptr.dtype.element_ty), mask=col_ok)
 
 
+_BUFFER_MIN_ELEMENTS = 1024  # the smallest kept buffer (slot flags, no-adapter ids): a few calls' sizes
 _SLOT_FLAGS: dict[tuple, torch.Tensor] = {}
-_RETIRED_FLAGS: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured CUDA graph may hold one
+_NO_ADAPTER_IDS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_BUFFERS: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured CUDA graph may hold one
 
 
 def _slot_flags(device: torch.device, num_slots: int) -> torch.Tensor:
@@ -367,9 +383,24 @@ def _slot_flags(device: torch.device, num_slots: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.zeros(num_slots, dtype=torch.int32, device=device)
         if flags is not None:
-            _RETIRED_FLAGS.append(flags)
-        flags = _SLOT_FLAGS[key] = torch.zeros(max(num_slots, 1024), dtype=torch.int32, device=device)
+            _RETIRED_BUFFERS.append(flags)
+        flags = _SLOT_FLAGS[key] = torch.zeros(max(num_slots, _BUFFER_MIN_ELEMENTS), dtype=torch.int32,
+                                                 device=device)
     return flags
+
+
+def _no_adapter_ids(device: torch.device, num_tokens: int) -> torch.Tensor:
+    """int32 [num_tokens] of -1 (no token on an adapter): a view of one buffer per device that no kernel writes, so a
+    call launches no fill. Grown outside CUDA-graph capture; a capture that finds it too small fills its own."""
+    ids = _NO_ADAPTER_IDS.get(device)
+    if ids is None or ids.numel() < num_tokens:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+        if ids is not None:
+            _RETIRED_BUFFERS.append(ids)
+        ids = _NO_ADAPTER_IDS[device] = torch.full((max(num_tokens, _BUFFER_MIN_ELEMENTS),), -1,
+                                                    dtype=torch.int32, device=device)
+    return ids[:num_tokens]
 
 
 def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
@@ -416,7 +447,7 @@ def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, 
         r_pad = own_rank_pad(bank)
         if lora_ids is None:  # no adapter: rank vectors never read, no shrink programs (the flags are never waited
             # on, but GEMM1's code names them: a None pointer does not compile)
-            lora_ids = torch.full((T,), -1, dtype=torch.int32, device=x.device)
+            lora_ids = _no_adapter_ids(x.device, T)
             s13, s2 = (torch.empty(0, dtype=d, device=x.device) for d in (x.dtype, torch.float32))
             shrink = dict(flags_ptr=_slot_flags(x.device, T * K))
         else:
