@@ -239,13 +239,15 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return _limits[index]
 
 
-def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0, lora_own: bool = False) -> int:
-    """Bytes of the pipeline's stages (an x tile and two weight tiles each), plus the fused LoRA's expand operands
+def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0, lora_own: bool = False,
+                        weight_tiles: int = 2) -> int:
+    """Bytes of the pipeline's stages (an x tile and ``weight_tiles`` weight tiles each: GEMM1's gate and up; GEMM2
+    has one, which a sweep of GEMM2 alone may pass), plus the fused LoRA's expand operands
     on wgmma tiles (BLOCK_M >= 64: [BLOCK_M, 2*columns] rank vectors and [2*columns, BLOCK_N] B^T). ``lora_own``
     (the adapter loop, ``lora_columns`` = R_PAD) with fp32 operands: two rank-vector tiles, two B^T and A_down^T
     [BLOCK_N, columns], on tiles of any size (on the H200 the fp32 16x128x128 decode tile asked for exactly this,
     245760 B at R_PAD 64 with one stage, where bf16 ones ran as the stacked count says)."""
-    per_stage = (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * itemsize
+    per_stage = (cfg.block_m * cfg.block_k + weight_tiles * cfg.block_k * cfg.block_n) * itemsize
     if lora_own and itemsize > 2:
         expand = lora_columns * (2 * cfg.block_m + 3 * cfg.block_n) * itemsize
     else:
@@ -254,16 +256,16 @@ def shared_memory_bytes(cfg: GemmConfig, itemsize: int, lora_columns: int = 0, l
 
 
 def fit_to_shared_memory(cfg: GemmConfig, itemsize: int, lora_columns: int, shared_memory: int,
-                         lora_own: bool = False) -> GemmConfig:
+                         lora_own: bool = False, weight_tiles: int = 2) -> GemmConfig:
     """``cfg`` with as many of its pipeline stages as fit the device's shared memory less the epilogue's reserve
     (at least one stage, if that fits the device at all); where not even one stage fits, BLOCK_K, then BLOCK_N
-    (down to 32), then BLOCK_M (down to 16) halve until it does."""
+    (down to 32), then BLOCK_M (down to 16) halve until it does. ``weight_tiles``: as :func:`shared_memory_bytes`."""
     budget = shared_memory - (_EPILOGUE_RESERVE_LORA if lora_columns and cfg.block_m >= 64 else _EPILOGUE_RESERVE)
     while True:
         for stages in range(cfg.num_stages, 0, -1):
             fitted = replace(cfg, num_stages=stages)
-            if shared_memory_bytes(fitted, itemsize, lora_columns, lora_own) <= (budget if stages > 1 else
-                                                                                  shared_memory):
+            need = shared_memory_bytes(fitted, itemsize, lora_columns, lora_own, weight_tiles)
+            if need <= (budget if stages > 1 else shared_memory):
                 return fitted
         if cfg.block_k > 32:
             cfg = replace(cfg, block_k=cfg.block_k // 2)
