@@ -367,7 +367,7 @@ def _token_major_gemm2_kernel(
 
 _BUFFER_MIN_ELEMENTS = 1024  # the smallest kept buffer (slot flags, no-adapter ids): a few calls' sizes
 _SLOT_FLAGS: dict[tuple, torch.Tensor] = {}
-_NO_ADAPTER_IDS: dict[torch.device, torch.Tensor] = {}
+_NO_ADAPTER_IDS: dict[tuple, torch.Tensor] = {}
 _RETIRED_BUFFERS: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured CUDA graph may hold one
 
 
@@ -390,15 +390,18 @@ def _slot_flags(device: torch.device, num_slots: int) -> torch.Tensor:
 
 
 def _no_adapter_ids(device: torch.device, num_tokens: int) -> torch.Tensor:
-    """int32 [num_tokens] of -1 (no token on an adapter): a view of one buffer per device that no kernel writes, so a
-    call launches no fill. Grown outside CUDA-graph capture; a capture that finds it too small fills its own."""
-    ids = _NO_ADAPTER_IDS.get(device)
+    """int32 [num_tokens] of -1 (no token on an adapter): a view of a buffer that no kernel writes, so a call
+    launches no fill. One per device and CUDA stream, as the slot flags: its fill runs on the stream whose calls
+    read it (a call on another stream could otherwise run before the fill). Grown outside CUDA-graph capture; a
+    capture that finds it too small fills its own."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    ids = _NO_ADAPTER_IDS.get(key)
     if ids is None or ids.numel() < num_tokens:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
         if ids is not None:
             _RETIRED_BUFFERS.append(ids)
-        ids = _NO_ADAPTER_IDS[device] = torch.full((max(num_tokens, _BUFFER_MIN_ELEMENTS),), -1,
+        ids = _NO_ADAPTER_IDS[key] = torch.full((max(num_tokens, _BUFFER_MIN_ELEMENTS),), -1,
                                                     dtype=torch.int32, device=device)
     return ids[:num_tokens]
 
