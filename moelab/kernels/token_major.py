@@ -51,7 +51,7 @@ hides behind the loop's: one rank-16 adapter at T = 2 in a four-layer CUDA graph
 T = 1 (then tiled too) unchanged (H200, 2026-12-04, c84b30f).
 The other LoRA operands are read ahead too: GEMM2 reads the routing weights, their w / bf16(w) and the rank vectors
 s2 with that B_down tile, before its K loop, and GEMM1 reads its B_up, B_gate and A_down tiles before it waits for
-the slot's shrink; a bank's call without ids takes its -1 ids from a buffer kept per device (no fill launch).
+the slot's shrink; a bank's call without ids takes its -1 ids from a buffer kept per device and stream (no fill launch).
 One rank-16 adapter in a CUDA graph, one call a replay, µs, before -> after (H100, 2026-12-07, BENCHMARKS.md
 "Token-major LoRA operands read ahead"): T = 1 Qwen3-30B-A3B 48.65 -> 47.65 (base call 42.9), OLMoE 60.1 -> 56.75
 (54.1), 8 adapters 53.55 -> 51.75 and 63.65 -> 61.95; GPT-OSS-20B T = 2 168.15 -> 164.3; but T = 2 Qwen3 74.5 ->
