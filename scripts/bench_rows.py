@@ -7,6 +7,5 @@ import sys
 for path in sys.argv[1:]:
     for r in json.load(open(path))["rows"]:
         if r.get("median_us") is not None:
-            graph = " [graph]" if r.get("graph") else ""
-            print(f"{r['shape']:16s} T={r['T']:<6} {r['impl']}{graph} {r.get('variant', '')}: {r['median_us']:.1f} µs"
+            print(f"{r['shape']:16s} T={r['T']:<6} {r['impl']} {r.get('variant', '')}: {r['median_us']:.1f} µs"
                   f" ({r.get('check', '')})")

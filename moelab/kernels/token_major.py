@@ -356,7 +356,7 @@ def _token_major_gemm2_kernel(
                     acc += tl.sum(b.to(tl.float32) * s2[:, None, :], axis=2)
     y = to_output(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the expert's row, as the tiled path stores it
     if WEIGHTED:
-        if not LORA:
+        if not LORA:  # read here without a bank: read ahead, it cost the base call at T = 1 (BENCHMARKS.md)
             slot_w = _slot_weight(routing_ptr, weights_ptr, slots, local, PACKED)
         if ROUND_WEIGHTS:
             slot_w = to_output(slot_w, tl.bfloat16).to(tl.float32)
@@ -371,39 +371,32 @@ _NO_ADAPTER_IDS: dict[tuple, torch.Tensor] = {}
 _RETIRED_BUFFERS: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured CUDA graph may hold one
 
 
+def _kept_buffer(kept: dict, device: torch.device, size: int, fill: int) -> torch.Tensor:
+    """int32 [>= size] of ``fill`` between calls, one buffer per device and CUDA stream in ``kept``: calls in turn on
+    a stream share it, calls on two streams do not, and its fill runs on the stream whose calls use it. Grown
+    outside CUDA-graph capture (an outgrown one is kept alive: a captured graph may hold it); a capture that finds
+    it too small fills a buffer of its own (a memset in the graph)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buffer = kept.get(key)
+    if buffer is None or buffer.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.full((size,), fill, dtype=torch.int32, device=device)
+        if buffer is not None:
+            _RETIRED_BUFFERS.append(buffer)
+        buffer = kept[key] = torch.full((max(size, _BUFFER_MIN_ELEMENTS),), fill, dtype=torch.int32, device=device)
+    return buffer
+
+
 def _slot_flags(device: torch.device, num_slots: int) -> torch.Tensor:
     """int32 [>= num_slots] zeros between calls: the fused shrink's done-counts by slot (GEMM1 counts, GEMM2 sets
-    them back to 0), one buffer per device and CUDA stream, so calls in turn on a stream share it and calls on two
-    streams do not. Grown outside CUDA-graph capture; a capture that finds it too small takes a zeroed buffer of
-    its own (a memset in the graph)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    flags = _SLOT_FLAGS.get(key)
-    if flags is None or flags.numel() < num_slots:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(num_slots, dtype=torch.int32, device=device)
-        if flags is not None:
-            _RETIRED_BUFFERS.append(flags)
-        flags = _SLOT_FLAGS[key] = torch.zeros(max(num_slots, _BUFFER_MIN_ELEMENTS), dtype=torch.int32,
-                                                 device=device)
-    return flags
+    them back to 0), kept per device and stream (:func:`_kept_buffer`)."""
+    return _kept_buffer(_SLOT_FLAGS, device, num_slots, 0)
 
 
 def _no_adapter_ids(device: torch.device, num_tokens: int) -> torch.Tensor:
-    """int32 [num_tokens] of -1 (no token on an adapter): a view of a buffer that no kernel writes, so a call
-    launches no fill. One per device and CUDA stream, as the slot flags: its fill runs on the stream whose calls
-    read it (a call on another stream could otherwise run before the fill). Grown outside CUDA-graph capture; a
-    capture that finds it too small fills its own."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    ids = _NO_ADAPTER_IDS.get(key)
-    if ids is None or ids.numel() < num_tokens:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
-        if ids is not None:
-            _RETIRED_BUFFERS.append(ids)
-        ids = _NO_ADAPTER_IDS[key] = torch.full((max(num_tokens, _BUFFER_MIN_ELEMENTS),), -1,
-                                                    dtype=torch.int32, device=device)
-    return ids[:num_tokens]
+    """int32 [num_tokens] of -1 (no token on an adapter): a view of a buffer kept per device and stream
+    (:func:`_kept_buffer`) that no kernel writes, so a call launches no fill."""
+    return _kept_buffer(_NO_ADAPTER_IDS, device, num_tokens, -1)[:num_tokens]
 
 
 def token_major_moe(routing: torch.Tensor, expert_weights: torch.Tensor | None, x: torch.Tensor, w13: torch.Tensor,
