@@ -42,7 +42,7 @@ from moelab._checks import (
     check_tensor,
     dtype_name,
 )
-from moelab.backends import get_backend
+from moelab.backends import eager_graphs, get_backend
 from moelab.contract import LoRAExpertsCall
 from moelab.lora import LoRABank, bank_layout_ok, check_bank_layout, check_ids_once
 from moelab.moe import _plain_call_ok as _plain_routed_call_ok
@@ -193,6 +193,10 @@ class LoRAExperts(nn.Module):
             >>> out.shape, torch.equal(out[1], experts(x, weights, ids, None)[1])
             (torch.Size([3, 32]), True)
         """
+        if validate is False:  # a decode step's call that replayed in place before: its signature stands for the checks
+            replayed = eager_graphs.replay_plain_lora(self, hidden_states, topk_weights, topk_ids, lora_ids, has_lora)
+            if replayed is not None:
+                return replayed
         plain = self._plain_call_ok(hidden_states, topk_weights, topk_ids, lora_ids)
         if plain:
             x = hidden_states.contiguous()  # every check below would pass (decode calls are host-bound)

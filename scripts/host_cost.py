@@ -120,10 +120,16 @@ def _stub_replays() -> None:
     key's second call) take ``eager_graphs``' replay path as on a GPU, with a stand-in graph whose replay does
     nothing and a stand-in current stream; the copies into its buffers (CPU memcpys here, copy kernels a GPU
     launches) and all of moelab's Python on the way run as they are (``MOELAB_EAGER_GRAPHS_IN_PLACE=0``: no in-place
-    replays)."""
+    replays). The outputs' ``torch.empty`` (``eager_graphs``' and ``LoRAExperts.forward``'s) reuses freed blocks as
+    CUDA's caching allocator does (``scripts/reusing_empty.py``)."""
     import types
 
+    from reusing_empty import ReusingTorch  # scripts/ is on sys.path when run as a script
+
+    from moelab import experts
     from moelab.backends import eager_graphs
+
+    eager_graphs.torch = experts.torch = ReusingTorch()
 
     class _Graph:
         def replay(self):
@@ -136,6 +142,7 @@ def _stub_replays() -> None:
     eager_graphs._capture = capture
     eager_graphs._replayable = lambda x, inputs, max_tokens=None: eager_graphs.ENABLED and 0 < x.shape[0] <= (
         eager_graphs.MAX_TOKENS if max_tokens is None else max_tokens)
+    eager_graphs._may_replay = lambda x: eager_graphs.ENABLED
     stream = types.SimpleNamespace(cuda_stream=0)
     torch.cuda.current_stream = lambda device=None: stream
 
@@ -200,25 +207,35 @@ def launches_per_call(call) -> int:
     return len(seen)
 
 
-def in_place_replays(call, calls: int = 5) -> tuple[int, int]:
+def in_place_replays(call, calls: int = 5) -> tuple[int, int, int]:
     """Of the graph replays ``calls`` calls of ``call`` ask for, how many ran in place (no input copies, no output
-    clone: ``eager_graphs._replay_in_place`` true), and how many there were."""
+    clone: ``eager_graphs._replay_in_place`` true, or a plain call replayed by its signature), how many there were,
+    and how many of the in-place ones went by signature (``replay_plain``, ``replay_plain_lora``: no checks, no key;
+    trees without them: 0)."""
     from moelab.backends import eager_graphs
 
-    tried = eager_graphs._replay_in_place
-    outcomes = []
+    outcomes, by_signature = [], []
 
-    def counting(*args):
-        outcomes.append(tried(*args))
-        return outcomes[-1]
+    def counting(tried, into):  # what each call gave: True, False, or whether an output (held not: its block)
+        def run(*args):
+            got = tried(*args)
+            into.append(got if isinstance(got, bool) else got is not None)
+            return got
+        return run
 
-    eager_graphs._replay_in_place = counting
+    names = [name for name in ("replay_plain", "replay_plain_lora") if hasattr(eager_graphs, name)]
+    originals = {name: getattr(eager_graphs, name) for name in ["_replay_in_place", *names]}
+    eager_graphs._replay_in_place = counting(originals["_replay_in_place"], outcomes)
+    for name in names:
+        setattr(eager_graphs, name, counting(originals[name], by_signature))
     try:
         for _ in range(calls):
             call()
     finally:
-        eager_graphs._replay_in_place = tried
-    return sum(outcomes), len(outcomes)
+        for name, fn in originals.items():
+            setattr(eager_graphs, name, fn)
+    signed = sum(by_signature)
+    return sum(outcomes) + signed, len(outcomes) + signed, signed
 
 
 def host_us(call, rounds: int, calls: int) -> float:
@@ -260,8 +277,8 @@ def measure(shape: str, T: int, a) -> None:
     # no Triton launch counted: the call replays a graph of its own (moelab/backends/eager_graphs.py)
     launches = f"{us / n:6.1f} µs/launch  ({n} launches" if n else "  one graph replay  (eager_graphs"
     if not n:  # whether the replays ran in place or through the copies, counted after the timed rounds
-        placed, replays = in_place_replays(call)
-        launches += f", in place {placed}/{replays}"
+        placed, replays, signed = in_place_replays(call)
+        launches += f", in place {placed}/{replays}, by signature {signed}"
     line = f"{shape:15s} T={T:<4d} host {us:7.1f} µs/call  {launches}"
     if a.layers > 1:
         line += f", {a.layers} layers in turn"

@@ -7,6 +7,7 @@ LoRA keys past ``MAX_TOKENS`` capture.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from helpers import assert_close_to_reference, poison, random_experts, random_topk_ids, random_weights
 
 import moelab
+from moelab import experts as experts_module
+from moelab import moe as moe_module
 from moelab import reference
 from moelab.backends import eager_graphs, triton_backend
 from moelab.contract import LoRAExpertsCall, RoutedMoECall
@@ -35,6 +38,7 @@ def graphs(monkeypatch):
     monkeypatch.setattr(eager_graphs, "_repeats", set())
     monkeypatch.setattr(eager_graphs, "_in_place", {})
     monkeypatch.setattr(eager_graphs, "_evictions", {})
+    monkeypatch.setattr(eager_graphs, "_plain", {})
     yield eager_graphs._graphs
     eager_graphs._graphs.clear()  # freed now, not by a later collection (a failed test's traceback holds the dict)
 
@@ -751,3 +755,243 @@ def test_in_place_replays_match_the_copies_bit_for_bit_and_hold_no_input(graphs,
         del out
     assert probe() is None, "a graph keeps the caller's input alive"
     assert probe_out is None or probe_out() is None, "a graph keeps the caller's output alive"
+
+
+# ------------------------------------------------------------------------------------- plain calls by signature
+
+def _reusing_torch():
+    """scripts/reusing_empty.py's ReusingTorch: outputs take the block of the last one freed, as on a GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "reusing_empty.py"
+    spec = importlib.util.spec_from_file_location("reusing_empty", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ReusingTorch()
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def plain_replays(request, graphs, monkeypatch):
+    """In-place replays on; on "cpu" the pipeline under the interpreter, replayed by stand-in graphs that run the
+    captured launches again on the caller's tensors (every replay check passes there as on a GPU's current
+    device); on "cuda" real graphs. Returns the device and the list of calls that took ``validate_call``."""
+    device = request.param
+    monkeypatch.setattr(eager_graphs, "IN_PLACE", True)
+    if device == "cuda" and not CUDA:
+        pytest.skip("CUDA-graph replays need a CUDA GPU (runs on the H200)")
+    if device == "cpu":
+        def fake_capture(static, stream, launches, out=None):
+            result = launches(*static, out=out)
+            # the replay reads and writes the memory through views of its own, as a graph holds no tensor; the
+            # launches it keeps (a graph does not) drop the LoRA call's first output they hold (replays pass `out`)
+            views, into = [None if t is None else t.view(t.shape) for t in static], result.view(result.shape)
+            for cell in launches.__closure__ or ():
+                if isinstance(cell.cell_contents, LoRAExpertsCall):
+                    cell.cell_contents = dataclasses.replace(cell.cell_contents, output=None)
+            return eager_graphs._Entry(_FakeGraph(lambda: launches(*views, out=into)), static, result)
+
+        monkeypatch.setattr(eager_graphs, "_capture", fake_capture)
+        monkeypatch.setattr(eager_graphs, "_replayable", lambda x, inputs, max_tokens=None: 0 < x.shape[0] <= (
+            eager_graphs.MAX_TOKENS if max_tokens is None else max_tokens))
+        monkeypatch.setattr(eager_graphs, "_may_replay", lambda x: eager_graphs.ENABLED)
+        stream = types.SimpleNamespace(cuda_stream=0)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+        reusing = _reusing_torch()  # the outputs' allocations: LoRAExperts.forward's and replay_plain's
+        monkeypatch.setattr(eager_graphs, "torch", reusing)
+        monkeypatch.setattr(experts_module, "torch", reusing)
+    checked = []
+    validate_call = moe_module.validate_call
+    monkeypatch.setattr(moe_module, "validate_call", lambda *a: checked.append(a) or validate_call(*a))
+    return device, checked
+
+
+def test_a_plain_call_that_replayed_in_place_replays_by_its_signature_alone(plain_replays):
+    """A decode loop's plain calls (no output, delta or weight on the input, ``validate=False``): x and the routing
+    written anew before each, each output dropped after it. Once a call replayed in place, the next ones at the
+    same addresses skip the checks, the key and the count (``validate_call`` not called) and still match the
+    float64 reference on fresh inputs (each output takes the block of the one before, so a row left unwritten
+    would hold the last step's values)."""
+    device, checked = plain_replays
+    w13, w2, W = _weights(0, device)
+    x, ids, w = _inputs(0, device=device)
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    fresh = [_inputs(100 + step, device="cpu") for step in range(8)]  # no allocation of x's size in the loop
+    outs = []
+    for new_x, new_ids, new_w in fresh:
+        x.copy_(new_x), ids.copy_(new_ids), w.copy_(new_w)
+        packed.copy_(moelab.pack_topk_ids_weights(ids, w))
+        got = _moe(packed, x, W)
+        outs.append(got.float().cpu())
+        del got  # the next call's output may take this one's block, as in a decode loop
+    assert len(checked) <= 3, f"{len(checked)} of {len(fresh)} calls took the checks"
+    assert eager_graphs._plain, "no plain call was remembered"
+    for step, (got, (new_x, new_ids, new_w)) in enumerate(zip(outs, fresh)):
+        ref = _reference(new_x.to(device), new_ids.to(device), new_w.to(device), w13, w2)
+        assert_close_to_reference(got.to(device).bfloat16(), ref, torch.bfloat16, f"step {step}")
+
+
+def _remembered_plain_call(device, seed):
+    """Weights (w13, w2, MoEWeights), inputs (x, ids, w) and their packed words of a plain call made four times
+    (each output dropped): remembered by now."""
+    w13, w2, W = _weights(0, device)
+    x, ids, w = _inputs(seed, device=device)
+    packed = moelab.pack_topk_ids_weights(ids, w)
+    for _ in range(4):
+        got = _moe(packed, x, W)
+        del got
+    return w13, w2, W, x, ids, w, packed
+
+
+def test_a_plain_call_that_differs_from_a_remembered_one_takes_the_checks(plain_replays):
+    """Anything a signature holds that changes sends the call through the checks again: an int of another type
+    (a float num_experts: the TypeError it always got), a bad shape (ValueError), new weights in the same ``MoEWeights``
+    (read, not the old ones), another ``num_experts``."""
+    device, checked = plain_replays
+    w13, w2, W, x, ids, w, packed = _remembered_plain_call(device, 1)
+    taken = len(checked)
+    assert _moe(packed, x, W).shape == x.shape and len(checked) == taken  # remembered: no checks
+    with pytest.raises(TypeError, match="num_experts"):  # 8.0 == 8 and hashes as 8: the types tell them apart
+        moelab.routed_moe(packed, x, W, num_experts=float(E), top_k=K, validate=False)
+    with pytest.raises(ValueError, match="hidden_states"):
+        moelab.routed_moe(packed, x[:, :-8], W, num_experts=E, top_k=K, validate=False)
+    new13, new2 = random_experts(E, H, I, torch.bfloat16, device=device)
+    W.gemm1_weights, W.gemm2_weights = new13, new2
+    checked.clear()
+    got = _moe(packed, x, W)
+    assert checked, "new weights at new addresses skipped the checks"
+    assert_close_to_reference(got, _reference(x, ids, w, new13, new2), torch.bfloat16, "new weights")
+    checked.clear()
+    got = moelab.routed_moe(packed, x, W, num_experts=2 * E, top_k=K, validate=False)[0]
+    assert checked, "another num_experts skipped the checks"
+    assert_close_to_reference(got, _reference(x, ids, w, new13, new2), torch.bfloat16, "num_experts")
+
+
+def test_a_plain_call_whose_graph_went_takes_the_checks(plain_replays, monkeypatch):
+    """A remembered signature whose in-place graph the budgets (or :func:`clear`) took away: the call goes the
+    whole way again (checks, key, count, capture) and still matches the reference."""
+    device, checked = plain_replays
+    w13, w2, W, x, ids, w, packed = _remembered_plain_call(device, 2)
+    assert eager_graphs._plain
+    eager_graphs._in_place.clear()
+    checked.clear()
+    got = _moe(packed, x, W)
+    assert checked, "a signature without its graph skipped the checks"
+    assert_close_to_reference(got, _reference(x, ids, w, w13, w2), torch.bfloat16, "graph gone")
+    eager_graphs.clear()
+    assert not eager_graphs._plain
+
+
+def _checks_taken(monkeypatch):
+    """The LoRAExperts calls that took forward's checks (its ``_plain_call_ok``)."""
+    taken = []
+    plain_ok = moelab.LoRAExperts._plain_call_ok
+    monkeypatch.setattr(moelab.LoRAExperts, "_plain_call_ok", lambda self, *a: taken.append(a) or plain_ok(self, *a))
+    return taken
+
+
+def test_a_plain_lora_call_that_replayed_in_place_replays_by_its_signature_alone(plain_replays, monkeypatch):
+    """LoRAExperts' decode loop (``validate=False``, adapter ids on the device): once a call replayed in place,
+    the next ones skip forward's checks and still match the float64 reference on fresh inputs, a slot set anew in
+    the bank (a new rank) included: the replay reads the bank and its rank table where they live."""
+    device, _ = plain_replays
+    taken = _checks_taken(monkeypatch)
+    experts, w13, w2, bank = _lora_module(None, device=device)
+    x, w, ids, lora_ids = _lora_inputs(0, T, bank.max_loras, device=device)
+    fresh = [_lora_inputs(100 + step, T, bank.max_loras, device="cpu") for step in range(8)]
+    outs = []
+    for step, (new_x, new_w, new_ids, new_lora_ids) in enumerate(fresh):
+        if step == 5:  # slot 1 anew, rank 4: read by the next replays
+            from test_experts import random_adapters
+
+            bank.set(1, **{k: v.to(device) for k, v in random_adapters(1, E, H, I, [4], seed=9)[0].items()})
+        x.copy_(new_x), w.copy_(new_w), ids.copy_(new_ids), lora_ids.copy_(new_lora_ids)
+        got = _lora_call(experts, x, w, ids, lora_ids)
+        outs.append(got.float().cpu())
+        del got
+        if step == 4:
+            ref_bank = [(s, r) for s, r in enumerate(bank.ranks)]
+            refs_before = [reference.lora_experts(fx.to(device), fw.to(device), fi.to(device), fl.to(device), w13,
+                                                  w2, bank)["output"] for fx, fw, fi, fl in fresh[:5]]
+    assert len(taken) <= 3, f"{len(taken)} of {len(fresh)} calls took the checks"
+    refs_after = [reference.lora_experts(fx.to(device), fw.to(device), fi.to(device), fl.to(device), w13, w2,
+                                         bank)["output"] for fx, fw, fi, fl in fresh[5:]]
+    assert ref_bank != [(s, r) for s, r in enumerate(bank.ranks)], "the new slot did not change the ranks"
+    for step, (got, ref) in enumerate(zip(outs, refs_before + refs_after)):
+        assert_close_to_reference(got.to(device).bfloat16(), ref, torch.bfloat16, f"step {step}")
+
+
+def test_a_plain_lora_call_that_differs_takes_the_checks(plain_replays, monkeypatch):
+    """A remembered LoRA call's signature changed: a bank tensor restrided at its own address (the layout check's
+    ValueError, not a replay of the old layout), adapter ids read as another dtype at their address (TypeError),
+    ``has_lora=False`` (the base call; ids of the wrong length still refused)."""
+    device, _ = plain_replays
+    taken = _checks_taken(monkeypatch)
+    experts, w13, w2, bank = _lora_module(None, device=device)
+    x, w, ids, lora_ids = _lora_inputs(3, T, bank.max_loras, device=device)
+    for _ in range(4):
+        got = _lora_call(experts, x, w, ids, lora_ids)
+        del got
+    taken.clear()
+    got = _lora_call(experts, x, w, ids, lora_ids)
+    assert not taken, "a remembered call took the checks"
+    assert_close_to_reference(got, reference.lora_experts(x, w, ids, lora_ids, w13, w2, bank)["output"],
+                              torch.bfloat16, "remembered")
+    base = experts(x, w, ids, lora_ids, has_lora=False, validate=False)
+    assert taken, "has_lora=False skipped the checks"
+    assert_close_to_reference(base, _reference(x, ids, w, w13, w2), torch.bfloat16, "has_lora=False")
+    with pytest.raises(TypeError, match="lora_ids"):  # the same bytes read as floats, at the same address
+        _lora_call(experts, x, w, ids, lora_ids.view(torch.float32))
+    with pytest.raises(ValueError, match="lora_ids"):  # ids the call then drops are checked all the same
+        experts(x, w, ids, torch.zeros(T + 1, dtype=torch.int32, device=device), has_lora=False, validate=False)
+    del got, base
+    for _ in range(3):  # remembered again: no checks
+        taken.clear()
+        got = _lora_call(experts, x, w, ids, lora_ids)
+        del got
+    assert not taken, "the remembered call took the checks"
+    down_a = bank.down_a
+    strides = (*down_a.stride()[:-2], 1, down_a.shape[-2])  # its last two dimensions read column-major
+    bank.down_a = down_a.as_strided(down_a.shape, strides)  # at the same address
+    with pytest.raises(ValueError, match="down_a"):
+        _lora_call(experts, x, w, ids, lora_ids)
+    assert taken, "a restrided bank tensor skipped the checks (a real graph would read the old layout)"
+
+
+def test_strided_packed_routing_never_replays_by_signature(plain_replays):
+    """Packed words in a strided view (a [T, K] slice of a wider tensor): the checks hand the graph a contiguous
+    copy, whose block the next call's copy may not take, so no signature is left and every call takes the checks
+    (a remembered one would replay a graph reading a freed copy)."""
+    device, checked = plain_replays
+    w13, w2, W = _weights(0, device)
+    x, ids, w = _inputs(4, device=device)
+    wide = torch.zeros(T, 2 * K, dtype=torch.int32, device=device)
+    packed = wide[:, :K]
+    assert not packed.is_contiguous()
+    for step in range(6):
+        new_x, new_ids, new_w = _inputs(200 + step, device=device)
+        x.copy_(new_x), ids.copy_(new_ids), w.copy_(new_w)
+        packed.copy_(moelab.pack_topk_ids_weights(ids, w))
+        got = _moe(packed, x, W)
+        assert_close_to_reference(got, _reference(x, ids, w, w13, w2), torch.bfloat16, f"step {step}")
+        del got
+    assert len(checked) == 6 and not eager_graphs._plain
+
+
+def test_a_call_whose_graph_reads_a_copy_of_the_words_leaves_no_signature(plain_replays):
+    """The same contiguous copy of strided packed words handed in twice (what a caching allocator may do to
+    ``validate_call``'s copies): the call replays in place on the copy, but signs nothing, since the next caller's
+    strided words would not be where the graph reads them."""
+    device, _ = plain_replays
+    w13, w2, W = _weights(0, device)
+    x, ids, w = _inputs(5, device=device)
+    wide = torch.zeros(T, 2 * K, dtype=torch.int32, device=device)
+    strided = wide[:, :K]
+    strided.copy_(moelab.pack_topk_ids_weights(ids, w))
+    copy = strided.contiguous()
+    call = RoutedMoECall(strided, copy, x, W, E, K, 0, None, True, None)
+    for _ in range(3):
+        got = triton_backend.routed_moe(call).output
+        assert_close_to_reference(got, _reference(x, ids, w, w13, w2), torch.bfloat16, "copied words")
+        del got
+    assert eager_graphs._in_place and not eager_graphs._plain

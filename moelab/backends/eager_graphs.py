@@ -47,6 +47,14 @@ aligned keep the copies (a size-1 dimension's stride aside: read through a packe
 bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum, as the LoRA W2 shrink does
 for I > its tile's columns, the last bit may differ from run to run in either graph).
 
+Plain calls by signature (:func:`replay_plain`): a ``moelab.routed_moe`` call with ``validate=False`` that asks for
+the output alone (no ``output``, delta or router weight on the input) and replayed in place leaves its signature:
+what the checks, :func:`takes` and the key read of it (its tensors' addresses, shapes, strides, dtypes and devices,
+its ints and their types, the weights' key, the stream, inference mode, the dead-row fill) and its output's address.
+The next call of that signature replays that graph before any check: it would pass them all and find that key and
+those addresses. Half of a decode call's host time on the development CPU (19.5 -> 10 µs, Qwen3-30B-A3B T = 1,
+``scripts/host_cost.py --stub-replays``). A call whose graph went (the budgets, :func:`clear`) takes the whole way.
+
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
 thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
 ``moelab.kernels.moe_gemm``). A graph holds the path its capture chose; after changing one of them, call
@@ -75,7 +83,8 @@ from moelab import _runtime
 from moelab.contract import LoRAExpertsCall, MoEWeights, RoutedMoECall
 from moelab.lora import LoRABank
 
-__all__ = ["takes", "takes_lora", "expected_touched_experts", "key", "lora_key", "run", "run_lora", "clear", "held",
+__all__ = ["takes", "takes_lora", "expected_touched_experts", "key", "lora_key", "run", "run_lora", "replay_plain",
+           "replay_plain_lora", "clear", "held",
            "MAX_TOKENS", "MAX_LORA_TOKENS", "MAX_LORA_GRAPH_KEYS", "MAX_LORA_GRAPH_TOKENS", "MAX_BYTES_PER_LAUNCH",
            "MAX_GRAPHS"]
 
@@ -130,6 +139,7 @@ _sightings: dict[tuple, int] = {}  # (key, addresses) -> calls seen at those add
 _repeats: set[tuple] = set()  # keys of LoRA calls past MAX_TOKENS seen once, without a graph yet
 _in_place: dict[tuple, dict[tuple, _Entry]] = {}  # key -> addresses -> graph, least recently replayed first
 _evictions: dict[tuple, int] = {}  # key -> in-place graphs it lost to the budgets
+_plain: dict[tuple, tuple[tuple, tuple]] = {}  # a plain call's signature -> its key and addresses (replay_plain)
 _pools: dict[int, tuple] = {}  # stream -> its graphs' shared memory pool
 _side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream captures run on
 
@@ -148,11 +158,15 @@ def _replayable(x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], max_to
     on the current device, none requiring grad, no capture on this thread, replays on, not under
     ``torch.compile``."""
     max_tokens = MAX_TOKENS if max_tokens is None else max_tokens
-    if not ENABLED or torch.compiler.is_compiling() or not x.is_cuda or not 0 < x.shape[0] <= max_tokens:
+    if not 0 < x.shape[0] <= max_tokens or any(t is not None and (t.requires_grad or not t.is_cuda) for t in inputs):
         return False
-    if any(t is not None and (t.requires_grad or not t.is_cuda) for t in inputs):
-        return False
-    return x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+    return _may_replay(x)
+
+
+def _may_replay(x: torch.Tensor) -> bool:
+    """Replays on, not under ``torch.compile``, ``x`` on the current CUDA device and no capture on this thread."""
+    return (ENABLED and not torch.compiler.is_compiling() and x.is_cuda
+            and x.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing())
 
 
 def _within_bound(T: int, top_k: int, num_experts: int, num_local_experts: int, cost: tuple[int, int]) -> bool:
@@ -271,11 +285,63 @@ def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
     stream = torch.cuda.current_stream(x.device)
     routing, weights = (call.packed, None) if call.packed is not None else call.topk
     buffers = (x.dtype, torch.int32, None if weights is None else weights.dtype)  # as the pipeline reads them
+    entry_key = key(call, stream)
 
     def launches(static_x, static_routing, static_weights, out=None):
         return pipeline(static_routing, static_weights, static_x, call, out)[0]
 
-    return _replay(key(call, stream), stream, (x, routing, weights), buffers, launches, call.output, x.shape)
+    def remember(addresses: tuple, output: torch.Tensor) -> None:  # replay_plain's entry for the next such call
+        # not where the graph reads a copy of the caller's words (strided: validate_call's contiguous copy)
+        if (call.output is None and not call.apply_router_weight_on_input
+                and (call.packed is None or call.packed is call.topk)):
+            signature = _plain_signature(call.topk, x, call.weights, call.num_experts, call.top_k,
+                                         call.local_expert_offset, stream.cuda_stream, output)
+            if signature is not None:
+                if len(_plain) >= MAX_SIGHTINGS:
+                    _plain.clear()
+                _plain[signature] = (entry_key, addresses)
+
+    return _replay(entry_key, stream, (x, routing, weights), buffers, launches, call.output, x.shape,
+                   remember=remember)
+
+
+def replay_plain(topk, x, weights, num_experts, top_k, local_expert_offset) -> torch.Tensor | None:
+    """The output of a plain ``routed_moe`` call (``moelab.routed_moe``'s arguments; no ``output``, delta or
+    ``apply_router_weight_on_input``, ``validate=False``, ``do_finalize``) that replays in place, or None (the call
+    takes the checks and :func:`run`). A call whose signature (:func:`_plain_signature`: its tensors' addresses,
+    shapes, strides, dtypes and devices, its ints, the weights' key, the stream, the output's address) equals that
+    of an earlier call that replayed in place passed the same checks and has the same key and addresses: it
+    replays that graph without them, the host's work one signature, two lookups and the replay. The ints' types
+    are checked first (8.0 == 8 in a tuple's comparison, and a float would fail the checks)."""
+    if not _plain or not (type(x) is torch.Tensor and type(weights) is MoEWeights and type(num_experts) is int
+                          and type(top_k) is int and type(local_expert_offset) is int):
+        return None
+    if not (IN_PLACE and _may_replay(x)):
+        return None
+    output = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    known = _plain.get(_plain_signature(topk, x, weights, num_experts, top_k, local_expert_offset,
+                                        torch.cuda.current_stream(x.device).cuda_stream, output))
+    if known is None or not _replay_held(*known):
+        return None
+    return output
+
+
+def _plain_signature(topk, x: torch.Tensor, weights: MoEWeights, num_experts: int, top_k: int,
+                     local_expert_offset: int, stream: int, output: torch.Tensor) -> tuple | None:
+    """What :func:`validate_call <moelab.moe.validate_call>`, :func:`takes` and :func:`key` read of a plain call,
+    and its tensors' addresses (None: routing neither a tensor nor a tuple of two)."""
+    if type(topk) is torch.Tensor:
+        routing = (topk.data_ptr(), topk.shape, topk.stride(), topk.dtype, topk.device)
+    elif type(topk) is tuple and len(topk) == 2 and all(type(t) is torch.Tensor for t in topk):
+        ids, w = topk
+        routing = (ids.data_ptr(), ids.shape, ids.stride(), ids.dtype, ids.device, ids.requires_grad,
+                   w.data_ptr(), w.shape, w.stride(), w.dtype, w.device, w.requires_grad)
+    else:
+        return None
+    return (stream, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad, routing,
+            output.data_ptr(), num_experts, top_k, local_expert_offset, torch.is_inference_mode_enabled(),
+            _runtime.DEBUG_DEAD_ROWS, MAX_TOKENS, MAX_BYTES_PER_LAUNCH, weights.backend, weights.num_local_experts,
+            weights.hidden_size, weights.intermediate_size, _weights_key(weights))
 
 
 def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], torch.Tensor]) -> torch.Tensor:
@@ -295,21 +361,77 @@ def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], to
         return lora_experts(dataclasses.replace(call, hidden_states=static_x, topk_ids=static_ids,
                                                 topk_weights=static_weights, lora_ids=static_lora_ids, output=out))
 
+    def remember(addresses: tuple, output: torch.Tensor) -> None:  # replay_plain_lora's entry for the next call
+        signature = _plain_lora_signature(x, call.topk_weights, call.topk_ids, call.lora_ids, call.weights,
+                                          call.num_experts, call.top_k, call.local_expert_offset, call.lora,
+                                          call.bank, call.fused, call.path, stream.cuda_stream, output)
+        if signature is not None:
+            if len(_plain) >= MAX_SIGHTINGS:
+                _plain.clear()
+            _plain[signature] = (entry_key, addresses)
+
     capture = x.shape[0] <= MAX_TOKENS or _came_back(entry_key)
-    return _replay(entry_key, stream, inputs, buffers, launches, call.output, call.output.shape, capture)
+    return _replay(entry_key, stream, inputs, buffers, launches, call.output, call.output.shape, capture, remember)
+
+
+def replay_plain_lora(module, x, topk_weights, topk_ids, lora_ids, has_lora) -> torch.Tensor | None:
+    """As :func:`replay_plain`, for a :class:`moelab.LoRAExperts` ``module`` called with ``validate=False`` (its
+    arguments): the output of a call whose signature equals that of an earlier call that replayed in place, or
+    None (the call takes ``forward``'s checks and :func:`run_lora`). The signature adds the module's options and
+    both banks' tensors by address, shape and stride (the rank table brought up to date, as every call does). Not
+    taken where ``forward`` would read the adapter ids on the host (``has_lora`` None, ids on the CPU) or check ids
+    it then drops (``has_lora=False``)."""
+    if not _plain or not (type(x) is torch.Tensor and type(topk_weights) is torch.Tensor
+                          and type(topk_ids) is torch.Tensor and (lora_ids is None or type(lora_ids) is torch.Tensor)):
+        return None
+    if lora_ids is not None and (has_lora is False or (has_lora is None and lora_ids.device.type == "cpu")):
+        return None  # forward checks ids it then drops, or reads them on the host
+    with_lora = lora_ids is not None  # as forward decides it where has_lora is given
+    if not (IN_PLACE and _may_replay(x)):
+        return None
+    output = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    known = _plain.get(_plain_lora_signature(
+        x, topk_weights, topk_ids, lora_ids if with_lora else None, module.weights, module.num_experts,
+        module.top_k, module.local_expert_offset, module.lora if with_lora else None, module.lora, module.fused,
+        module._path, torch.cuda.current_stream(x.device).cuda_stream, output))
+    if known is None or not _replay_held(*known):
+        return None
+    return output
+
+
+def _plain_lora_signature(x, topk_weights, topk_ids, lora_ids, weights, num_experts, top_k, local_expert_offset,
+                          lora, bank, fused, path, stream: int, output: torch.Tensor) -> tuple | None:
+    """What ``LoRAExperts.forward``'s checks, :func:`takes_lora` and :func:`lora_key` read of a call (``lora``:
+    the bank the call applies, None without adapters; ``bank``: the module's), and its tensors' addresses (None:
+    ints of other types, which the checks would refuse)."""
+    if not (type(num_experts) is int and type(top_k) is int and type(local_expert_offset) is int):
+        return None
+    ids = None if lora_ids is None else (lora_ids.data_ptr(), lora_ids.shape, lora_ids.stride(), lora_ids.dtype,
+                                         lora_ids.device)
+    banks = None if bank is None else (_bank_key(bank), lora is bank, *(
+        (t.shape, t.stride()) for t in (bank.gate_a, bank.gate_b, bank.up_a, bank.up_b, bank.down_a, bank.down_b)))
+    return ("lora", stream, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
+            topk_weights.data_ptr(), topk_weights.shape, topk_weights.stride(), topk_weights.dtype,
+            topk_weights.device, topk_weights.requires_grad, topk_ids.data_ptr(), topk_ids.shape,
+            topk_ids.stride(), topk_ids.dtype, topk_ids.device, ids, lora is None, banks, output.data_ptr(),
+            num_experts, top_k, local_expert_offset, fused, path, torch.is_inference_mode_enabled(),
+            _runtime.DEBUG_DEAD_ROWS, MAX_TOKENS, MAX_LORA_TOKENS, MAX_BYTES_PER_LAUNCH, weights.backend,
+            weights.num_local_experts, weights.hidden_size, weights.intermediate_size, _weights_key(weights))
 
 
 def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
             buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
-            output: torch.Tensor | None, out_shape: torch.Size, capture: bool = True) -> torch.Tensor:
+            output: torch.Tensor | None, out_shape: torch.Size, capture: bool = True,
+            remember: Callable[[tuple, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Copy ``inputs`` into the graph's buffers (of dtypes ``buffers``; None: no input), replay, and return a copy
     of its output (or ``output`` written). A new key captures ``launches(*buffers)`` first. With ``IN_PLACE``,
-    :func:`_replay_in_place` first (``out_shape``: the output's, in ``inputs[0]``'s dtype). ``capture`` False: no
-    new graph; where none is held, ``launches(*inputs, out=output)`` runs on the caller's tensors."""
+    :func:`_replay_in_place` first (``out_shape``: the output's, in ``inputs[0]``'s dtype; ``remember(addresses,
+    output)`` after an in-place replay). ``capture`` False: no new graph; where none is held,
+    ``launches(*inputs, out=output)`` runs on the caller's tensors."""
     if IN_PLACE:
         if output is None:  # the caller's new output; where it lies decides the in-place graph, as the inputs do
             output = torch.empty(out_shape, dtype=inputs[0].dtype, device=inputs[0].device)
-        if _replay_in_place(entry_key, stream, inputs, buffers, launches, output, capture):
+        if _replay_in_place(entry_key, stream, inputs, buffers, launches, output, capture, remember):
             return output
     entry = _graphs.get(entry_key)
     if entry is None:
@@ -328,14 +450,16 @@ def _replay(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Ten
 
 def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor | None, ...],
                      buffers: tuple[torch.dtype | None, ...], launches: Callable[..., torch.Tensor],
-                     output: torch.Tensor, capture: bool = True) -> bool:
+                     output: torch.Tensor, capture: bool = True,
+                     remember: Callable[[tuple, torch.Tensor], None] | None = None) -> bool:
     """Whether ``output`` was written by replaying a graph that reads ``inputs`` and writes ``output`` where they
     lie now. Not (False) for an input or output not as the buffers would hold it (dtype, contiguous, 16-byte
     aligned) or for addresses not yet seen ``IN_PLACE_AFTER`` times. A contiguous tensor's memory is laid out as the
     buffers' are, whatever the stride of a size-1 dimension (a one-token batch's top-k ids, a (1, K) slice of a
     (1, E) tensor); the capture reads it through packed strides, so the kernels specialise as on the buffers and
     both graphs run the same kernels. The graph holds no reference to those tensors (one would keep their blocks
-    from coming back to the next call). ``capture`` False: the addresses are counted, but no graph is captured."""
+    from coming back to the next call). ``capture`` False: the addresses are counted, but no graph is captured.
+    ``remember(addresses, output)``: called after the replay."""
     pointers = []
     for t, dtype in zip((*inputs, output), (*buffers, inputs[0].dtype)):
         if t is None:
@@ -345,9 +469,7 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
         else:
             pointers.append(pointer)
     addresses = tuple(pointers)
-    graphs = _in_place.get(entry_key)
-    entry = None if graphs is None else graphs.pop(addresses, None)
-    if entry is None:
+    if not _replay_held(entry_key, addresses):
         if _evictions.get(entry_key, 0) >= MAX_IN_PLACE_EVICTIONS:
             return False  # this call site's addresses do not come back often enough to pay for captures
         seen = _sightings.get((entry_key, addresses), 0) + 1
@@ -368,8 +490,21 @@ def _replay_in_place(entry_key: tuple, stream: torch.cuda.Stream, inputs: tuple[
         while _in_place and sum(map(len, _in_place.values())) + len(graphs) >= MAX_IN_PLACE_GRAPHS:
             oldest = next(iter(_in_place))
             _evictions[oldest] = _evictions.get(oldest, 0) + len(_in_place.pop(oldest))
-    else:
-        _in_place.pop(entry_key, None)  # to be put back last (another thread may have taken it out)
+        graphs[addresses] = entry
+        _in_place[entry_key] = graphs
+        entry.graph.replay()
+    if remember is not None:
+        remember(addresses, output)
+    return True
+
+
+def _replay_held(entry_key: tuple, addresses: tuple) -> bool:
+    """Whether ``entry_key`` held an in-place graph of ``addresses``, now replayed (and the most recent)."""
+    graphs = _in_place.get(entry_key)
+    entry = None if graphs is None else graphs.pop(addresses, None)
+    if entry is None:
+        return False
+    _in_place.pop(entry_key, None)  # to be put back last (another thread may have taken it out)
     graphs[addresses] = entry  # the most recently replayed last, of the key and among the keys
     _in_place[entry_key] = graphs
     entry.graph.replay()
@@ -437,6 +572,7 @@ def clear() -> None:
     _repeats.clear()
     _in_place.clear()
     _evictions.clear()
+    _plain.clear()
 
 
 def held() -> int:
