@@ -995,3 +995,19 @@ def test_a_call_whose_graph_reads_a_copy_of_the_words_leaves_no_signature(plain_
         assert_close_to_reference(got, _reference(x, ids, w, w13, w2), torch.bfloat16, "copied words")
         del got
     assert eager_graphs._in_place and not eager_graphs._plain
+
+
+@pytest.mark.parametrize("switch", ["ENABLED", "IN_PLACE"])
+def test_a_remembered_call_takes_the_checks_once_replays_are_switched_off(plain_replays, monkeypatch, switch):
+    """``MOELAB_EAGER_GRAPHS=0`` / ``MOELAB_EAGER_GRAPHS_IN_PLACE=0`` set at run time (the module flags): a
+    remembered signature no longer replays by itself."""
+    device, checked = plain_replays
+    w13, w2, W, x, ids, w, packed = _remembered_plain_call(device, 6)
+    checked.clear()
+    got = _moe(packed, x, W)
+    assert not checked, "the remembered call took the checks"
+    del got
+    monkeypatch.setattr(eager_graphs, switch, False)
+    got = _moe(packed, x, W)
+    assert checked, f"{switch} off: the remembered call skipped the checks"
+    assert_close_to_reference(got, _reference(x, ids, w, w13, w2), torch.bfloat16, f"{switch} off")
