@@ -47,13 +47,15 @@ aligned keep the copies (a size-1 dimension's stride aside: read through a packe
 bits are the copy graph's: the same kernels on the same values (where fp32 atomics sum, as the LoRA W2 shrink does
 for I > its tile's columns, the last bit may differ from run to run in either graph).
 
-Plain calls by signature (:func:`replay_plain`): a ``moelab.routed_moe`` call with ``validate=False`` that asks for
-the output alone (no ``output``, delta or router weight on the input) and replayed in place leaves its signature:
-what the checks, :func:`takes` and the key read of it (its tensors' addresses, shapes, strides, dtypes and devices,
-its ints and their types, the weights' key, the stream, inference mode, the dead-row fill) and its output's address.
-The next call of that signature replays that graph before any check: it would pass them all and find that key and
-those addresses. Half of a decode call's host time on the development CPU (19.5 -> 10 µs, Qwen3-30B-A3B T = 1,
-``scripts/host_cost.py --stub-replays``). A call whose graph went (the budgets, :func:`clear`) takes the whole way.
+Plain calls by signature (:func:`replay_plain`, :func:`replay_plain_lora`): a ``moelab.routed_moe`` call with
+``validate=False`` that asks for the output alone (no ``output``, delta or router weight on the input), or a
+``LoRAExperts`` call with ``validate=False``, that replayed in place leaves its signature: what the checks,
+:func:`takes` and the key read of it (its tensors' addresses, shapes, strides, dtypes and devices, its ints and their
+types, the weights' and banks' keys, the stream, inference mode, the dead-row fill, the replay budgets) and its
+output's address. The next call of that signature replays that graph before any check: it would pass them all and
+find that key and those addresses. On the development CPU (``scripts/host_cost.py --stub-replays``, Qwen3-30B-A3B
+and OLMoE at T = 1-32) that took a base call's host time from 20.0-20.5 to 11.3-11.5 µs and a one-adapter call's
+from 35.6-39.0 to 22.9-23.1. A call whose graph went (the budgets, :func:`clear`) takes the whole way.
 
 Not in any key: the module-level constants of the path rules (``FUSED_DECODE_MAX_SLOTS``, the token-major
 thresholds, ``ADAPTER_LOOP_MAX_ROWS_PER_EXPERT``, ``MAX_FUSED_LORA_COLUMNS``, the TMA switches of
