@@ -806,7 +806,8 @@ def plain_replays(request, graphs, monkeypatch):
     return device, checked
 
 
-def test_a_plain_call_that_replayed_in_place_replays_by_its_signature_alone(plain_replays):
+@pytest.mark.parametrize("routing", ["packed", "tuple"])
+def test_a_plain_call_that_replayed_in_place_replays_by_its_signature_alone(plain_replays, routing):
     """A decode loop's plain calls (no output, delta or weight on the input, ``validate=False``): x and the routing
     written anew before each, each output dropped after it. Once a call replayed in place, the next ones at the
     same addresses skip the checks, the key and the count (``validate_call`` not called) and still match the
@@ -821,13 +822,13 @@ def test_a_plain_call_that_replayed_in_place_replays_by_its_signature_alone(plai
     for new_x, new_ids, new_w in fresh:
         x.copy_(new_x), ids.copy_(new_ids), w.copy_(new_w)
         packed.copy_(moelab.pack_topk_ids_weights(ids, w))
-        got = _moe(packed, x, W)
+        got = _moe(packed if routing == "packed" else (ids, w), x, W)  # (ids, weights): what moelab.hf hands over
         outs.append(got.float().cpu())
         del got  # the next call's output may take this one's block, as in a decode loop
     assert len(checked) <= 3, f"{len(checked)} of {len(fresh)} calls took the checks"
     assert eager_graphs._plain, "no plain call was remembered"
     for step, (got, (new_x, new_ids, new_w)) in enumerate(zip(outs, fresh)):
-        ref = _reference(new_x.to(device), new_ids.to(device), new_w.to(device), w13, w2)
+        ref = _reference(new_x.to(device), new_ids.to(device), new_w.to(device), w13, w2, routing == "packed")
         assert_close_to_reference(got.to(device).bfloat16(), ref, torch.bfloat16, f"step {step}")
 
 
