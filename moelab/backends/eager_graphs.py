@@ -296,12 +296,8 @@ def run(call: RoutedMoECall, pipeline: Callable[..., tuple]) -> torch.Tensor:
         # not where the graph reads a copy of the caller's words (strided: validate_call's contiguous copy)
         if (call.output is None and not call.apply_router_weight_on_input
                 and (call.packed is None or call.packed is call.topk)):
-            signature = _plain_signature(call.topk, x, call.weights, call.num_experts, call.top_k,
-                                         call.local_expert_offset, stream.cuda_stream, output)
-            if signature is not None:
-                if len(_plain) >= MAX_SIGHTINGS:
-                    _plain.clear()
-                _plain[signature] = (entry_key, addresses)
+            _remember(_plain_signature(call.topk, x, call.weights, call.num_experts, call.top_k,
+                                       call.local_expert_offset, stream.cuda_stream, output), entry_key, addresses)
 
     return _replay(entry_key, stream, (x, routing, weights), buffers, launches, call.output, x.shape,
                    remember=remember)
@@ -318,14 +314,8 @@ def replay_plain(topk, x, weights, num_experts, top_k, local_expert_offset) -> t
     if not _plain or not (type(x) is torch.Tensor and type(weights) is MoEWeights and type(num_experts) is int
                           and type(top_k) is int and type(local_expert_offset) is int):
         return None
-    if not (IN_PLACE and _may_replay(x)):
-        return None
-    output = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    known = _plain.get(_plain_signature(topk, x, weights, num_experts, top_k, local_expert_offset,
-                                        torch.cuda.current_stream(x.device).cuda_stream, output))
-    if known is None or not _replay_held(*known):
-        return None
-    return output
+    return _replay_signed(x, lambda stream, output: _plain_signature(topk, x, weights, num_experts, top_k,
+                                                                     local_expert_offset, stream, output))
 
 
 def _plain_signature(topk, x: torch.Tensor, weights: MoEWeights, num_experts: int, top_k: int,
@@ -364,13 +354,9 @@ def run_lora(call: LoRAExpertsCall, lora_experts: Callable[[LoRAExpertsCall], to
                                                 topk_weights=static_weights, lora_ids=static_lora_ids, output=out))
 
     def remember(addresses: tuple, output: torch.Tensor) -> None:  # replay_plain_lora's entry for the next call
-        signature = _plain_lora_signature(x, call.topk_weights, call.topk_ids, call.lora_ids, call.weights,
-                                          call.num_experts, call.top_k, call.local_expert_offset, call.lora,
-                                          call.bank, call.fused, call.path, stream.cuda_stream, output)
-        if signature is not None:
-            if len(_plain) >= MAX_SIGHTINGS:
-                _plain.clear()
-            _plain[signature] = (entry_key, addresses)
+        _remember(_plain_lora_signature(x, call.topk_weights, call.topk_ids, call.lora_ids, call.weights,
+                                        call.num_experts, call.top_k, call.local_expert_offset, call.lora, call.bank,
+                                        call.fused, call.path, stream.cuda_stream, output), entry_key, addresses)
 
     capture = x.shape[0] <= MAX_TOKENS or _came_back(entry_key)
     return _replay(entry_key, stream, inputs, buffers, launches, call.output, call.output.shape, capture, remember)
@@ -388,14 +374,28 @@ def replay_plain_lora(module, x, topk_weights, topk_ids, lora_ids, has_lora) -> 
         return None
     if lora_ids is not None and (has_lora is False or (has_lora is None and lora_ids.device.type == "cpu")):
         return None  # forward checks ids it then drops, or reads them on the host
-    with_lora = lora_ids is not None  # as forward decides it where has_lora is given
+    lora = None if lora_ids is None else module.lora  # the bank the call applies (has_lora True or None here)
+    return _replay_signed(x, lambda stream, output: _plain_lora_signature(
+        x, topk_weights, topk_ids, lora_ids, module.weights, module.num_experts, module.top_k,
+        module.local_expert_offset, lora, module.lora, module.fused, module._path, stream, output))
+
+
+def _remember(signature: tuple | None, entry_key: tuple, addresses: tuple) -> None:
+    """Keep the in-place graph of ``entry_key`` at ``addresses`` for calls of ``signature`` (None: nothing kept)."""
+    if signature is not None:
+        if len(_plain) >= MAX_SIGHTINGS:
+            _plain.clear()
+        _plain[signature] = (entry_key, addresses)
+
+
+def _replay_signed(x: torch.Tensor, signature_of: Callable[[int, torch.Tensor], tuple | None]) -> torch.Tensor | None:
+    """A new output shaped as ``x``, written by the in-place graph kept (:func:`_remember`) for
+    ``signature_of(stream, output)``; None where in-place replays are off or not allowed here (:func:`_may_replay`)
+    or no graph is held for that signature."""
     if not (IN_PLACE and _may_replay(x)):
         return None
     output = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    known = _plain.get(_plain_lora_signature(
-        x, topk_weights, topk_ids, lora_ids if with_lora else None, module.weights, module.num_experts,
-        module.top_k, module.local_expert_offset, module.lora if with_lora else None, module.lora, module.fused,
-        module._path, torch.cuda.current_stream(x.device).cuda_stream, output))
+    known = _plain.get(signature_of(torch.cuda.current_stream(x.device).cuda_stream, output))
     if known is None or not _replay_held(*known):
         return None
     return output
