@@ -1,0 +1,125 @@
+"""Does a CUDA graph of the token-major LoRA path pay for the fills of its kept buffers? On a CUDA GPU.
+
+    python scripts/kept_buffers_ab.py                                 # Qwen3-30B-A3B and OLMoE, T = 1 and 2
+    python scripts/kept_buffers_ab.py --shape qwen3-30b-a3b --tokens 1 --json out.json
+
+The token-major LoRA kernels read int32 buffers kept per device and stream (``moelab/kernels/token_major.py``,
+``_kept_buffer``: the fused shrink's slot flags, and the -1 adapter ids of a call without ids). A capture on a stream
+that no eager call has used finds none, so it fills a buffer of its own: a memset node in the graph, run on every
+replay. ``torch.cuda.graph`` captures on a stream of its own and ``moelab.roofline.graphed`` (the bench) warms up
+on another, so the bench's LoRA graphs carry those nodes. For each shape and T, three calls (one rank-16 adapter on
+every token, the same bank with no token on an adapter, and the base ``routed_moe`` call) are each captured twice
+on new streams: "fresh" as the bench does, "warm" after one eager call on the capture stream (the buffers kept,
+so no fill is captured). Each graph's nodes are counted by kind where ``CUDAGraph.debug_dump`` works; the pair
+runs in the order A B B A, each timed as the bench times a graph (median of single replays, L2 flushed) and back to
+back; the warm graph's output must equal the fresh one's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+
+import torch
+
+import moelab
+from moelab.backends import eager_graphs
+from moelab.bench.cli import _split_shapes
+from moelab.roofline import back_to_back_us, get_shape, median_us
+
+
+def _calls(shape, T, device):
+    """name -> a function of no arguments: the LoRAExperts calls and the base call at ``T`` tokens."""
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16
+    w13 = torch.randn(shape.E, 2 * shape.I, shape.H, device=device, dtype=dt, generator=g) / shape.H**0.5
+    w2 = torch.randn(shape.E, shape.H, shape.I, device=device, dtype=dt, generator=g) / shape.I**0.5
+    x = torch.randn(T, shape.H, device=device, dtype=dt, generator=g)
+    ids = torch.rand(T, shape.E, device=device, generator=g).argsort(dim=1)[:, :shape.K].int()
+    weights = torch.rand(T, shape.K, device=device, generator=g)
+    bank = moelab.LoRABank(1, shape.E, shape.H, shape.I, 16, dtype=dt, device=device)
+    bank.set(0, **{name: torch.randn(shape.E, *dims, dtype=dt, device=device, generator=g) / 64 for name, dims in (
+        ("gate_a", (16, shape.H)), ("up_a", (16, shape.H)), ("gate_b", (shape.I, 16)), ("up_b", (shape.I, 16)),
+        ("down_a", (16, shape.I)), ("down_b", (shape.H, 16)))})
+    mod = moelab.LoRAExperts(w13, w2, num_experts=shape.E, top_k=shape.K, lora=bank, backend="triton")
+    on_adapter = torch.zeros(T, dtype=torch.int32, device=device)
+    packed = moelab.pack_topk_ids_weights(ids, weights)
+    W = moelab.prepare_weights(w13, w2, backend="triton")
+    return {"one rank-16 adapter": lambda: mod(x, weights, ids, on_adapter, has_lora=True, validate=False),
+            "the bank, no adapter": lambda: mod(x, weights, ids, None, validate=False),
+            "base": lambda: moelab.routed_moe(packed, x, W, num_experts=shape.E, top_k=shape.K, validate=False)[0]}
+
+
+def _graph(fn, warm: bool):
+    """``fn`` captured on a new stream after two warm-up calls on another; ``warm``: one more call on the capture
+    stream first. Returns (replay, its output, the graph's node kinds counted, or None)."""
+    side, capture = torch.cuda.Stream(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    if warm:
+        capture.wait_stream(side)
+        with torch.cuda.stream(capture):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    kinds = None
+    try:
+        graph.enable_debug_mode()
+    except Exception:  # an older torch: the node count is left out
+        pass
+    with torch.cuda.graph(graph, stream=capture):
+        out = fn()
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+            graph.debug_dump(f.name)
+            dot = open(f.name).read()
+        kinds = {k: len(re.findall(k, dot)) for k in ("KERNEL", "MEMSET", "MEMCPY")}
+    except Exception:
+        pass
+    return graph.replay, out, kinds
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b;olmoe")
+    p.add_argument("--tokens", default="1,2")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    device = torch.device("cuda")
+    eager_graphs.ENABLED = False  # eager calls run the kernels, so the warm call keeps the buffers on its stream
+    rows = []
+    print("| shape | T | call | fresh: nodes | warm: nodes | fresh µs | warm µs | warm / fresh | fresh b2b | "
+          "warm b2b |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for shape in (get_shape(name) for name in _split_shapes(a.shape)):
+        for T in (int(t) for t in a.tokens.split(",")):
+            for name, fn in _calls(shape, T, device).items():
+                fresh, warm = _graph(fn, False), _graph(fn, True)
+                fresh[0]()
+                warm[0]()
+                torch.cuda.synchronize()
+                assert torch.equal(fresh[1], warm[1]), f"{shape.name} T={T} {name}: warm graph differs"
+                us = {0: [], 1: []}
+                b2b = {0: [], 1: []}
+                for i in (0, 1, 1, 0):
+                    replay = (fresh, warm)[i][0]
+                    us[i].append(median_us(replay, device))
+                    b2b[i].append(back_to_back_us(replay, device, calls=200))
+                m = {i: sum(v) / 2 for i, v in us.items()}
+                b = {i: sum(v) / 2 for i, v in b2b.items()}
+                rows.append(dict(shape=shape.name, T=T, call=name, fresh_nodes=fresh[2], warm_nodes=warm[2],
+                                 fresh_us=us[0], warm_us=us[1], fresh_b2b_us=b2b[0], warm_b2b_us=b2b[1]))
+                print(f"| {shape.name} | {T} | {name} | {fresh[2]} | {warm[2]} | {m[0]:.1f} | {m[1]:.1f} | "
+                      f"{m[1] / m[0]:.3f} | {b[0]:.1f} | {b[1]:.1f} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
