@@ -12,7 +12,8 @@ every token, the same bank with no token on an adapter, and the base ``routed_mo
 on new streams: "fresh" as the bench does, "warm" after one eager call on the capture stream (the buffers kept,
 so no fill is captured). Each graph's nodes are counted by kind where ``CUDAGraph.debug_dump`` works; the pair
 runs in the order A B B A, each timed as the bench times a graph (median of single replays, L2 flushed) and back to
-back; the warm graph's output must equal the fresh one's bit for bit.
+back; the warm graph's output must equal the fresh one's (bit for bit for the base call; within 1e-2 relative for
+the LoRA calls, whose W2 shrink sums by fp32 atomics).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import argparse
 import json
 import re
 import tempfile
+import types
 
 import torch
 
 import moelab
 from moelab.backends import eager_graphs
 from moelab.bench.cli import _split_shapes
+from moelab.bench.impls import make_bank
+from moelab.lab import rel_err
 from moelab.roofline import back_to_back_us, get_shape, median_us
 
 
@@ -39,10 +43,7 @@ def _calls(shape, T, device):
     x = torch.randn(T, shape.H, device=device, dtype=dt, generator=g)
     ids = torch.rand(T, shape.E, device=device, generator=g).argsort(dim=1)[:, :shape.K].int()
     weights = torch.rand(T, shape.K, device=device, generator=g)
-    bank = moelab.LoRABank(1, shape.E, shape.H, shape.I, 16, dtype=dt, device=device)
-    bank.set(0, **{name: torch.randn(shape.E, *dims, dtype=dt, device=device, generator=g) / 64 for name, dims in (
-        ("gate_a", (16, shape.H)), ("up_a", (16, shape.H)), ("gate_b", (shape.I, 16)), ("up_b", (shape.I, 16)),
-        ("down_a", (16, shape.I)), ("down_b", (shape.H, 16)))})
+    bank = make_bank(types.SimpleNamespace(shape=shape, dtype=dt, device=device), [16])  # the bench's bank
     mod = moelab.LoRAExperts(w13, w2, num_experts=shape.E, top_k=shape.K, lora=bank, backend="triton")
     on_adapter = torch.zeros(T, dtype=torch.int32, device=device)
     packed = moelab.pack_topk_ids_weights(ids, weights)
@@ -103,7 +104,11 @@ def main(argv=None):
                 fresh[0]()
                 warm[0]()
                 torch.cuda.synchronize()
-                assert torch.equal(fresh[1], warm[1]), f"{shape.name} T={T} {name}: warm graph differs"
+                if name == "base":
+                    assert torch.equal(fresh[1], warm[1]), f"{shape.name} T={T} {name}: warm graph differs"
+                else:  # the LoRA W2 shrink sums by fp32 atomics: a last bit may differ from run to run
+                    err = rel_err(warm[1], fresh[1])
+                    assert err < 1e-2, f"{shape.name} T={T} {name}: warm graph differs, rel err {err:.2e}"
                 us = {0: [], 1: []}
                 b2b = {0: [], 1: []}
                 for i in (0, 1, 1, 0):
