@@ -332,10 +332,13 @@ def _token_major_gemm2_kernel(
         pair = adapter * num_local_experts + expert  # [K_PAD]
         ratio = caller_weight_ratio(weights_ptr, slots, local)[:, None]
         if EARLY_DOWN_B:  # [K_PAD, BLOCK_N, BLOCK_K] (LORA_K_TILES) or [K_PAD, BLOCK_N, R_PAD]
+            # All max_rank columns, so these loads wait for the adapter id only, not for its rank read after it:
+            # past the rank both are 0 (the bank keeps B_down's zeros there, as the stacked tiles assume, and the
+            # shrink zeroes s2's whole row and adds below the rank only)
             ranks = ks if LORA_K_TILES else tl.arange(0, R_PAD)
-            b = _w2_down_b(ranks, tl.where(adapter >= 0, rank, 0), down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
-            s2 = _w2_rank_vectors(ranks, tl.where(adapter >= 0, rank, 0), s2_ptr, slots, local, ratio, act_ptr,
-                                  R_PAD)
+            columns = tl.where(adapter >= 0, max_rank, 0)
+            b = _w2_down_b(ranks, columns, down_b_ptr, pair, H, cols, max_rank, w_rows_ok)
+            s2 = _w2_rank_vectors(ranks, columns, s2_ptr, slots, local, ratio, act_ptr, R_PAD)
     acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
     for i0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         i_ok = ks + i0 < I
