@@ -98,9 +98,15 @@ def compile_for_sm90(kernel, types: dict, constexprs: dict, hinted, **options) -
     return triton.compile(source, target=TARGET, options=options).asm["ptx"]
 
 
+def constexprs_of(kernel, given: dict) -> dict:
+    """``kernel``'s constexprs: its constexpr parameters (``given`` or their defaults), and the arguments that default
+    to None and are not ``given`` (None arguments specialise to constexprs)."""
+    return {p.name: given.get(p.name, p.default) for p in kernel.params
+            if p.is_constexpr or (p.name not in given and p.default is None)}
+
+
 def compile_ptx(kernel, given: dict) -> str:
-    consts = {p.name: given.get(p.name, p.default) for p in kernel.params
-              if p.is_constexpr or (p.name not in given and p.default is None)}  # None args specialise to constexpr
+    consts = constexprs_of(kernel, given)
     types = {n: arg_type(n, {**BASE, **given}) for n in kernel.arg_names if n not in consts}
     hinted = [n for n in types if n.endswith("_ptr") or n in ("H", "I") or n.startswith("stride_")]
     return compile_for_sm90(kernel, types, consts, hinted, num_warps=4, num_stages=3 if given["BLOCK_M"] >= 64 else 4)
@@ -129,8 +135,7 @@ def segment_variants() -> dict:
 
 def compile_segments_ptx(kernel, given: dict, num_warps: int) -> str:
     """A segments kernel's PTX: int32 pointers (or the type ``given`` names) hinted 16-byte aligned, i32 scalars."""
-    consts = {p.name: given.get(p.name, p.default) for p in kernel.params
-              if p.is_constexpr or (p.name not in given and p.default is None)}
+    consts = constexprs_of(kernel, given)
     types = {n: given[n] if isinstance(given.get(n), str) else "*i32" if n.endswith("_ptr") else "i32"
              for n in kernel.arg_names if n not in consts}
     return compile_for_sm90(kernel, types, consts, [n for n in types if n.endswith("_ptr")], num_warps=num_warps)

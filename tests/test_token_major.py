@@ -371,29 +371,22 @@ def test_lora_shrink_flags_return_to_zero(shrink_shape, device, monkeypatch):
         assert torch.count_nonzero(flags) == 0, f"slot flags left set after call {seed}: {flags[:T * K].tolist()}"
 
 
-#: Run in a fresh process with TRITON_INTERPRET=0 (moelab's kernels compiled, not interpreted): each token-major
-#: kernel compiled to sm_90 PTX at Qwen3-30B-A3B's T = 1 tiles. Prints one JSON line: {variant: PTX length}.
+#: Run in a fresh process with scripts/ on its path (``ptx_sm90`` sets TRITON_INTERPRET=0: kernels compiled, not
+#: interpreted): each token-major kernel compiled to sm_90 PTX at Qwen3-30B-A3B's T = 1 tiles. Prints one JSON line:
+#: {variant: PTX length}.
 SM90_CODE = """
-import dataclasses, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+import ptx_sm90
 from moelab.kernels import token_major as tm
-
-BF16 = {"x_ptr", "w13_ptr", "w2_ptr", "act_ptr", "out_ptr", "bias_ptr", "w13_bias_ptr", "w2_bias_ptr", "s13_ptr",
-        "up_b_ptr", "gate_b_ptr", "down_a_ptr", "down_b_ptr", "up_a_ptr", "gate_a_ptr"}
-FP32 = {"weights_ptr", "s2_ptr"}
 
 
 def ptx(kernel, given, num_warps):
-    # given: constexpr values, and "*type" for the pointers that default to None but are passed
-    consts = {p.name: given.get(p.name, p.default) for p in kernel.params
-              if p.is_constexpr or (p.name not in given and p.default is None)}
-    signature = {p.name: "constexpr" if p.name in consts else given.get(p.name) or
-                 ("*bf16" if p.name in BF16 else "*fp32" if p.name in FP32 else "*i32") if p.name.endswith("_ptr")
-                 else "i32" for p in kernel.params}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)).asm["ptx"]
+    # given: constexpr values, and "*type" for the pointers that default to None but are passed; the pointers,
+    # strides, H and I hinted 16-divisible, as a real launch at these shapes is
+    consts = ptx_sm90.constexprs_of(kernel, given)
+    types = {n: ptx_sm90.arg_type(n, given) for n in kernel.arg_names if n not in consts}
+    hinted = [n for n in types if n.endswith("_ptr") or n in ("H", "I") or n.startswith("stride_")]
+    return ptx_sm90.compile_for_sm90(kernel, types, consts, hinted, num_warps=num_warps)
 
 
 cfg = tm.choose_token_major_config(1, 8, 2048, 768)
@@ -422,7 +415,8 @@ def test_kernels_compile_for_sm90(tmp_path):
     GPU needed): the interpreter runs code that Triton's compiler refuses (a variable of two types across the
     branches of an ``if`` runs on a CPU and fails to compile for a GPU)."""
     (tmp_path / "sm90.py").write_text(SM90_CODE)
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "scripts")]))
     done = subprocess.run([sys.executable, str(tmp_path / "sm90.py")], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
