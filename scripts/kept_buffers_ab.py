@@ -4,17 +4,16 @@
     python scripts/kept_buffers_ab.py --shape qwen3-30b-a3b --tokens 1 --json out.json
 
 The token-major LoRA kernels read int32 buffers kept per device and stream (``moelab/kernels/token_major.py``,
-``_kept_buffer``: the fused shrink's slot flags, and the -1 adapter ids of a call without ids). A capture on a stream
-that no eager call has used finds none, so it fills a buffer of its own: a memset node in the graph, run on every
-replay. ``torch.cuda.graph`` captures on a stream of its own and ``moelab.roofline.graphed`` (the bench) warms up
-on another, so the bench's LoRA graphs carry those nodes. For each shape and T, three calls (one rank-16 adapter on
-every token, the same bank with no token on an adapter, and the base ``routed_moe`` call) are each captured twice
-on new streams: "fresh" as the bench does, "warm" after one eager call on the capture stream (the buffers kept,
-so no fill is captured). The fills each capture launched are counted (``CUDAGraph.debug_dump`` wrote an empty
-file on torch 2.11, so the graphs' nodes are not counted); the pair
-runs in the order A B B A, each timed as the bench times a graph (median of single replays, L2 flushed) and back to
-back; the warm graph's output must equal the fresh one's (bit for bit for the base call; within 1e-2 relative for
-the LoRA calls, whose W2 shrink sums by fp32 atomics).
+``_kept_buffer``: the fused shrink's slot flags, and the -1 adapter ids of a call without ids). A capture on a
+stream that no eager call has used finds none, so it fills a buffer of its own: a fill in the graph, run on every
+replay. ``torch.cuda.graph`` captures on a stream of its own and ``moelab.roofline.graphed`` (the bench) warms up on
+another, so the bench's LoRA graphs carry those fills. For each shape and T, three calls (one rank-16 adapter on
+every token, the same bank with no token on an adapter, and the base ``routed_moe`` call) are each captured twice on
+new streams: "fresh" as the bench does, "warm" after one eager call on the capture stream (the buffers kept, so no
+fill is captured). The fills each capture launched are counted (``CUDAGraph.debug_dump`` wrote an empty file on
+torch 2.11, so the graphs' nodes are not counted); the pair runs in the order A B B A, each timed as the bench times
+a graph (median of single replays, L2 flushed) and back to back; the warm graph's output must equal the fresh one's
+(bit for bit for the base call; within 1e-2 relative for the LoRA calls, whose W2 shrink sums by fp32 atomics).
 """
 
 from __future__ import annotations
